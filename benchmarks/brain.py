@@ -1,0 +1,187 @@
+"""Benchmark of the brain: policy comparison, forecast error, decision and simulation speed.
+
+Prints figures, asserts nothing. Every ratio is against a baseline measured in the same run.
+
+    .venv/bin/python benchmarks/brain.py            # everything (~10 min on 2 cores)
+    .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from prorsa.policy.allocate import AllocationSettings, ClusterView, Role, WorkerView, make_policy
+from prorsa.policy.forecast import Horizon, LifecycleForecaster
+from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
+from prorsa.sim.compare import compare, run_policy, score
+from prorsa.sim.costmodel import preset
+from prorsa.sim.engine import SimConfig, SimResult
+from prorsa.sim.workload import BUILTIN, load_workload
+
+
+def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -> None:
+    cost = preset(preset_name)
+    print(f"## policies · {gpus} GPUs · {preset_name} · seed 0")
+    print(
+        "| workload | mode | colocated | best static | reactive | predictive | oracle |"
+        " predictive vs colocated | vs best static | vs reactive | of oracle |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    mapes: dict[str, dict[str, dict[str, float]]] = {}
+    for wl in workloads:
+        spec = load_workload(wl)
+        for mode in modes:
+            t0 = time.perf_counter()
+            c = compare(cost, spec, SimConfig(gpus=gpus, mode=mode, seed=0))  # type: ignore[arg-type]
+            r = c.results
+
+            def fmt(name: str, r: dict[str, SimResult] = r, mode: str = mode) -> str:
+                x = r[name]
+                if mode == "sync":
+                    return f"{x.makespan_s:.0f} s"
+                return f"{x.throughput_traj_per_min:.1f}/min"
+
+            pred = score(r["predictive"])
+            print(
+                f"| {wl} | {mode} | {fmt('colocated')}"
+                f" | {fmt('static')} ({r['static'].label.split()[1]})"
+                f" | {fmt('reactive')} | {fmt('predictive')} | {fmt('oracle')}"
+                f" | {score(r['colocated']) / pred:.3f}x | {score(r['static']) / pred:.3f}x"
+                f" | {score(r['reactive']) / pred:.3f}x | {score(r['oracle']) / pred:.3f}"
+                f" |  <!-- {time.perf_counter() - t0:.0f} s -->",
+                flush=True,
+            )
+            if mode == "sync":
+                mapes[wl] = r["predictive"].forecast_mape
+    if mapes:
+        print("\n## forecast error (weighted MAPE over a 60 s horizon, sync runs)")
+        print(
+            "| workload | last prefill | ewma prefill | lifecycle prefill |"
+            " last decode | ewma decode | lifecycle decode |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for wl, m in mapes.items():
+            print(
+                f"| {wl} | {m['last']['prefill']:.0f}% | {m['ewma']['prefill']:.0f}% |"
+                f" {m['lifecycle']['prefill']:.0f}% | {m['last']['decode']:.0f}% |"
+                f" {m['ewma']['decode']:.0f}% | {m['lifecycle']['decode']:.0f}% |"
+            )
+
+
+def _events_for(n_traj: int, n_events: int, rng: random.Random, t0: float) -> list[Event]:
+    """A stream like the router's: turns of in-flight trajectories, tools in between."""
+    out: list[Event] = []
+    phase = [0] * n_traj
+    ts = t0
+    while len(out) < n_events:
+        i = rng.randrange(n_traj)
+        tid = f"t{i}"
+        ts += 0.0005
+        p = phase[i] % 5
+        if p == 0:
+            out.append(
+                Event(EventType.TURN_SUBMIT, tid, ts, prompt_tokens=8000, uncached_tokens=700)
+            )
+        elif p == 1:
+            out.append(
+                Event(EventType.PREFILL_DONE, tid, ts, worker="w1", tokens=700, seconds=0.05)
+            )
+        elif p == 2:
+            out.append(
+                Event(
+                    EventType.DECODE_DONE,
+                    tid,
+                    ts,
+                    worker="w2",
+                    output_tokens=rng.randint(20, 2000),
+                    seconds=rng.uniform(0.5, 20),
+                )
+            )
+        elif p == 3:
+            out.append(Event(EventType.TOOL_START, tid, ts))
+        else:
+            out.append(Event(EventType.TOOL_END, tid, ts))
+        phase[i] += 1
+    return out
+
+
+def decision_timing(reps: int = 15) -> None:
+    """One predictive decision: ingest 10,000 events, forecast, allocate (256 workers)."""
+    rng = random.Random(0)
+    tab = LifecycleTable()
+    n = 10_000
+    for i in range(n):
+        tab.apply(Event(EventType.TRAJ_START, f"t{i}", 0.0, group=f"g{i // 8}"))
+    tab.ingest(_events_for(n, 40_000, rng, 0.0))  # warm the statistics
+    fc = LifecycleForecaster("sync")
+    cost = preset("h200")
+    pol = make_policy(AllocationSettings(cooldown_s=0), cost.role_capacity())
+    workers = tuple(
+        WorkerView(f"w{i}", Role.PREFILL if i < 32 else Role.DECODE, inflight_decode=30)
+        for i in range(256)
+    )
+    view = ClusterView(workers)
+    horizon = Horizon(5.0, 12)
+    t = 100.0
+    ingest_ms, forecast_ms, decide_ms, total_ms = [], [], [], []
+    for _ in range(reps):
+        batch = _events_for(n, 10_000, rng, t)
+        t = batch[-1].ts + 5.0
+        a = time.perf_counter()
+        tab.ingest(batch)
+        b = time.perf_counter()
+        f = fc.forecast(tab, t, horizon)
+        c = time.perf_counter()
+        pol.decide(view, f, t)
+        d = time.perf_counter()
+        ingest_ms.append((b - a) * 1e3)
+        forecast_ms.append((c - b) * 1e3)
+        decide_ms.append((d - c) * 1e3)
+        total_ms.append((d - a) * 1e3)
+    print(
+        f"\n## one predictive decision ({tab.in_flight} trajectories in flight, 10,000 new events,"
+        f" 256 workers), median of {reps}"
+    )
+    print(
+        f"ingest {statistics.median(ingest_ms):.1f} ms"
+        f" · forecast {statistics.median(forecast_ms):.1f} ms"
+        f" · allocate {statistics.median(decide_ms):.1f} ms"
+        f" · total {statistics.median(total_ms):.1f} ms"
+        f" (p90 {sorted(total_ms)[int(0.9 * reps)]:.1f} ms)"
+    )
+
+
+def big_sim(workload: str = "swe") -> None:
+    cost = preset("h200")
+    spec = load_workload(workload)
+    t0 = time.perf_counter()
+    r = run_policy(cost, spec, SimConfig(gpus=256, trajectories=8192, seed=0), "predictive")
+    wall = time.perf_counter() - t0
+    print(f"\n## 256 GPUs, 8,192 {workload} trajectories, one sync step, predictive policy")
+    print(
+        f"simulated makespan {r.makespan_s:.0f} s, {r.turns} turns, {r.decisions} decisions:"
+        f" {wall:.1f} s wall"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--only", choices=["table", "decision", "bigsim"], default=None)
+    ap.add_argument("--workloads", default=",".join(BUILTIN))
+    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--preset", default="h200")
+    a = ap.parse_args()
+    if a.only in (None, "table"):
+        table(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset)
+    if a.only in (None, "decision"):
+        decision_timing()
+    if a.only in (None, "bigsim"):
+        big_sim()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""Allocation policies: how many workers should prefill and how many should decode.
+
+Every policy answers one question with the same interface: given the cluster as it is now
+(`ClusterView`) and, if it wants one, a demand forecast, what allocation should it have? The
+shared `Policy.decide` then applies the limits every policy must respect (minimum counts,
+cooldown, a cap on switches per decision) and `plan_switches` turns the difference into
+concrete worker switches, preferring idle workers and never switching a worker twice at once.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.forecast import Forecast
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"  # colocated: serves both phases
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationSettings:
+    """Every policy knob, with its default, in one place (the CRD's `allocation` mirrors it)."""
+
+    policy: str = "predictive"
+    static_prefill: int | None = None  # static: prefill workers (default: a quarter)
+    min_prefill: int = 0  # 0: decode workers may prefill locally when no pool is worth it
+    min_decode: int = 1
+    horizon_s: float = 60.0
+    interval_s: float = 5.0
+    cooldown_s: float = 10.0
+    hysteresis: float = 0.05  # predictive: switch only for this relative gain
+    max_switches_per_decision: int = 4
+    # reactive thresholds (Dynamo-style load planner)
+    reactive_prefill_wait_up_s: float = 1.0
+    reactive_prefill_wait_down_s: float = 0.2
+    reactive_kv_util_up: float = 0.8
+    reactive_kv_util_down: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    id: str
+    role: Role
+    draining: bool = False
+    target_role: Role | None = None
+    ready: bool = True
+    inflight_prefill: int = 0
+    inflight_decode: int = 0
+    queued_prefill_tokens: int = 0
+    kv_tokens: float = 0.0
+
+    @property
+    def effective_role(self) -> Role:
+        """The role this worker is heading to: its target while draining."""
+        return self.target_role if self.draining and self.target_role else self.role
+
+    @property
+    def load(self) -> float:
+        return self.inflight_prefill + self.inflight_decode + self.kv_tokens * 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    workers: tuple[WorkerView, ...]
+
+    def count(self, role: Role) -> int:
+        return sum(1 for w in self.workers if w.effective_role == role)
+
+    @property
+    def allocation(self) -> Allocation:
+        return Allocation(self.count(Role.PREFILL), self.count(Role.DECODE), self.count(Role.MIXED))
+
+    @property
+    def prefill_queue_tokens(self) -> int:
+        return sum(w.queued_prefill_tokens for w in self.workers)
+
+    @property
+    def decode_seqs(self) -> int:
+        return sum(w.inflight_decode for w in self.workers)
+
+    @property
+    def decode_kv_tokens(self) -> float:
+        return sum(w.kv_tokens for w in self.workers if w.role != Role.PREFILL)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    prefill: int
+    decode: int
+    mixed: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode + self.mixed
+
+    def __str__(self) -> str:
+        if self.mixed and not (self.prefill or self.decode):
+            return f"{self.mixed}M"
+        s = f"{self.prefill}P:{self.decode}D"
+        return s + (f":{self.mixed}M" if self.mixed else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    worker: str
+    from_role: Role
+    to_role: Role
+
+
+@dataclass(slots=True)
+class Decision:
+    target: Allocation
+    switches: list[Switch]
+    reason: str
+    forecast: Forecast | None = None
+
+
+@dataclass
+class Policy(ABC):
+    settings: AllocationSettings
+    capacity: RoleCapacity
+    name: str = "policy"
+    uses_forecast: bool = False
+    _last_switch_at: float = field(default=-math.inf, init=False)
+
+    def initial_roles(self, n: int) -> list[Role]:
+        """Start at the minimum prefill pool; decode workers prefill locally meanwhile."""
+        p = self.clamp(Allocation(0, n), n).prefill
+        return [Role.PREFILL] * p + [Role.DECODE] * (n - p)
+
+    @abstractmethod
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]: ...
+
+    def clamp(self, a: Allocation, n: int) -> Allocation:
+        """Respect min counts; with fewer workers than both minimums, keep one of each."""
+        if a.mixed:
+            return a
+        min_p = min(self.settings.min_prefill, max(n - 1, 0))
+        min_d = min(self.settings.min_decode, max(n - min_p, 0))
+        p = max(min_p, min(a.prefill, n - min_d))
+        return Allocation(p, n - p)
+
+    def decide(self, view: ClusterView, forecast: Forecast | None, now: float) -> Decision:
+        current = view.allocation
+        target, reason = self.target(view, forecast, now)
+        target = self.clamp(target, len(view.workers))
+        if target == current:
+            return Decision(target, [], reason, forecast)
+        if now - self._last_switch_at < self.settings.cooldown_s:
+            return Decision(current, [], f"cooldown (wanted {target}: {reason})", forecast)
+        switches = plan_switches(view, target, self.settings.max_switches_per_decision)
+        if switches:
+            self._last_switch_at = now
+        return Decision(target, switches, reason, forecast)
+
+
+def plan_switches(view: ClusterView, target: Allocation, max_switches: int) -> list[Switch]:
+    """Choose which workers change role to move toward `target`.
+
+    Donors are the least-loaded workers of roles with a surplus; a worker already draining is
+    never switched again; the last worker that can still decode is never drained. (Every
+    worker can serve a whole request, so an empty prefill pool only means local prefills.)
+    """
+    current = view.allocation
+    deficit = {
+        Role.PREFILL: target.prefill - current.prefill,
+        Role.DECODE: target.decode - current.decode,
+        Role.MIXED: target.mixed - current.mixed,
+    }
+    receivers = [r for r, d in deficit.items() if d > 0 for _ in range(d)]
+    if not receivers:
+        return []
+    active = {r: sum(1 for w in view.workers if w.role == r and not w.draining) for r in Role}
+    donors = sorted(
+        (w for w in view.workers if not w.draining and deficit[w.role] < 0 and w.ready),
+        key=lambda w: w.load,
+    )
+    plan: list[Switch] = []
+    for w in donors:
+        if len(plan) >= max_switches or not receivers or deficit[w.role] >= 0:
+            continue
+        can_decode = active[Role.DECODE] + active[Role.MIXED] - (w.role != Role.PREFILL)
+        if can_decode < 1:
+            continue
+        to = receivers.pop(0)
+        plan.append(Switch(w.id, w.role, to))
+        deficit[w.role] += 1
+        active[w.role] -= 1
+    return plan
+
+
+# ---- the policies ---------------------------------------------------------------------------
+
+
+@dataclass
+class ColocatedPolicy(Policy):
+    """Every worker serves both phases (vLLM with chunked prefill): the usual baseline."""
+
+    name: str = "colocated"
+
+    def initial_roles(self, n: int) -> list[Role]:
+        return [Role.MIXED] * n
+
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]:
+        return Allocation(0, 0, len(view.workers)), "colocated: every worker mixed"
+
+
+@dataclass
+class StaticPolicy(Policy):
+    """A fixed P:D split, as a user would pick by hand."""
+
+    name: str = "static"
+
+    def _split(self, n: int) -> Allocation:
+        p = self.settings.static_prefill
+        return self.clamp(Allocation(max(1, n // 4) if p is None else p, 0), n)
+
+    def initial_roles(self, n: int) -> list[Role]:
+        p = self._split(n).prefill
+        return [Role.PREFILL] * p + [Role.DECODE] * (n - p)
+
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]:
+        a = self._split(len(view.workers))
+        return a, f"static split {a}"
+
+
+@dataclass
+class ReactivePolicy(Policy):
+    """Threshold rules on current load, one worker at a time (like Dynamo's load planner)."""
+
+    name: str = "reactive"
+
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]:
+        s, cap = self.settings, self.capacity
+        cur = view.allocation
+        p = max(cur.prefill, 1)
+        d = max(cur.decode, 1)
+        wait = view.prefill_queue_tokens / (p * cap.prefill_tokens_per_s)
+        kv_util = view.decode_kv_tokens / (d * cap.kv_capacity_tokens)
+        prefill_hot = wait > s.reactive_prefill_wait_up_s
+        prefill_cold = wait < s.reactive_prefill_wait_down_s
+        decode_hot = kv_util > s.reactive_kv_util_up
+        decode_cold = kv_util < s.reactive_kv_util_down
+        facts = f"prefill wait {wait:.2f}s, decode KV {kv_util:.0%}"
+        if prefill_hot and not decode_hot:
+            return replace(cur, prefill=cur.prefill + 1, decode=cur.decode - 1), f"{facts}: +P"
+        if decode_hot and not prefill_hot and cur.prefill > 0:
+            return replace(cur, prefill=cur.prefill - 1, decode=cur.decode + 1), f"{facts}: +D"
+        if prefill_cold and not decode_cold and cur.prefill > 0:
+            return replace(cur, prefill=cur.prefill - 1, decode=cur.decode + 1), f"{facts}: +D"
+        return cur, f"{facts}: hold"
+
+
+@dataclass
+class PredictivePolicy(Policy):
+    """Prorsa: choose P and D minimising the trajectory-seconds the forecast says are lost.
+
+    Over the horizon, for each candidate split, it plays the forecast forward: prefill work
+    queues when demand exceeds P workers' capacity (each waiting request loses its time);
+    decode sequences slow down as batches and KV reads grow on D workers, and stall outright
+    when their KV does not fit. Workers that must switch contribute nothing until their
+    switch completes. The best split wins only if it beats the current one by the hysteresis.
+    """
+
+    name: str = "predictive"
+    uses_forecast: bool = True
+
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]:
+        cur = view.allocation
+        n = len(view.workers)
+        if forecast is None or cur.mixed:
+            return cur, "no forecast yet: hold"
+        lo = min(self.settings.min_prefill, n - 1)
+        hi = n - min(self.settings.min_decode, n - lo)
+        cur_cost = self.cost(forecast, cur.prefill, cur.prefill, n)
+        best_p, best_cost = cur.prefill, cur_cost
+        for p in range(lo, hi + 1):
+            c = self.cost(forecast, p, cur.prefill, n)
+            if c < best_cost - 1e-9:
+                best_p, best_cost = p, c
+        gain = cur_cost - best_cost
+        facts = (
+            f"forecast prefill {forecast.prefill_tokens_per_s[0]:.0f} tok/s"
+            f" +{forecast.prefill_backlog_tokens:.0f} queued,"
+            f" decode {forecast.decode_seqs[0]:.0f}->{forecast.decode_seqs[-1]:.0f} seqs;"
+            f" lost {cur_cost:.0f}->{best_cost:.0f} traj-s"
+        )
+        if best_p == cur.prefill or gain <= self.settings.hysteresis * max(cur_cost, 1.0):
+            return cur, f"{facts}: hold {cur}"
+        target = Allocation(best_p, n - best_p)
+        return target, f"{facts}: {cur}->{target}"
+
+    def cost(self, fc: Forecast, p: int, cur_p: int, n: int) -> float:
+        """Trajectory-seconds lost over the horizon if the cluster had `p` prefill workers."""
+        cap = self.capacity
+        dt = fc.step_s
+        delay = 1 + math.ceil(cap.switch_s / dt)
+        backlog = fc.prefill_backlog_tokens
+        mean_req = max(fc.mean_prefill_tokens, 1.0)
+        carry = 0.0
+        lost = 0.0
+        for h in range(len(fc.decode_seqs)):
+            switching = h < delay
+            p_eff = min(p, cur_p) if switching else p
+            d_eff = min(n - p, n - cur_p) if switching else n - p
+            # Prefill: the pool-worthy share goes to the prefill pool while the pool keeps up;
+            # the router spills what it cannot take, and every short append, to the decode
+            # workers, which prefill it between their decode steps.
+            demand = fc.prefill_tokens_per_s[h]
+            remote = demand * fc.remote_prefill_share + backlog / dt
+            served = min(remote, p_eff * cap.prefill_tokens_per_s)
+            local = demand - served
+            backlog = 0.0
+            # Decode: progress lost to bigger batches, KV reads and local prefills; KV
+            # overflow stalls. Lost progress carries over: slowed sequences stay resident
+            # longer (Little's law).
+            seqs = fc.decode_seqs[h] + carry
+            if d_eff <= 0:
+                lost += seqs * dt
+                carry = seqs
+                continue
+            busy = local / (d_eff * cap.prefill_tokens_per_s)
+            if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
+                lost += (busy - 0.95) * d_eff * cap.prefill_tokens_per_s * dt / mean_req * dt
+                busy = 0.95
+            if seqs <= 0:
+                continue
+            kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
+            kv_worker = seqs * kv_seq / d_eff
+            stalled = 0.0
+            if kv_worker > cap.kv_capacity_tokens:
+                stalled = 1.0 - cap.kv_capacity_tokens / kv_worker
+                kv_worker = cap.kv_capacity_tokens
+            batch = seqs * (1.0 - stalled) / d_eff
+            step = cap.decode_step_s(batch, kv_worker) / (1.0 - busy)
+            ideal = cap.decode_step_s(1.0, kv_seq)
+            frac = stalled + (1.0 - stalled) * max(0.0, 1.0 - ideal / step)
+            lost += seqs * dt * frac
+            carry = seqs * frac
+        return lost
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "colocated": ColocatedPolicy,
+    "static": StaticPolicy,
+    "reactive": ReactivePolicy,
+    "predictive": PredictivePolicy,
+}
+
+
+def make_policy(settings: AllocationSettings, capacity: RoleCapacity) -> Policy:
+    """Build the policy `settings.policy` names (`oracle` is the predictive policy fed a
+    perfect forecast; only the simulator can provide one)."""
+    name = settings.policy
+    if name == "oracle":
+        return PredictivePolicy(settings, capacity, name="oracle")
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        known = sorted([*POLICIES, "oracle"])
+        raise ValueError(f"unknown policy {name!r}; choose one of {known}") from None
+    return cls(settings, capacity)

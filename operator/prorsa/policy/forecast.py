@@ -1,0 +1,378 @@
+"""Demand forecasters: what prefill and decode will need over the next horizon.
+
+Every forecaster answers the same question from the lifecycle table: for each step of the
+horizon, how many prefill tokens per second will be submitted, and how many sequences (and KV
+tokens) will be decoding at the end of the step. `last` and `ewma` extrapolate the recent
+past; `lifecycle` (Prorsa) reasons per trajectory about when tool calls return and when
+decodes finish. `ForecastScorer` measures each one's error against what actually happened.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from prorsa.policy.lifecycle import LifecycleTable, State
+from prorsa.policy.stats import normal_cdf
+
+RolloutMode = Literal["sync", "async"]
+
+
+@dataclass(frozen=True, slots=True)
+class Horizon:
+    step_s: float = 5.0
+    steps: int = 12
+
+    @property
+    def seconds(self) -> float:
+        return self.step_s * self.steps
+
+
+@dataclass(slots=True)
+class Forecast:
+    """Expected demand per horizon step (index 0 is the step starting now)."""
+
+    step_s: float
+    prefill_tokens_per_s: list[float]  # prefill work submitted during the step
+    decode_seqs: list[float]  # sequences decoding at the end of the step
+    decode_kv_tokens: list[float]  # their KV footprint
+    prefill_backlog_tokens: float = 0.0  # submitted already, not yet prefilled
+    mean_prefill_tokens: float = 1.0  # per request: turns a token backlog into waiting requests
+    decode_s_per_token: float = 0.02  # observed decode pace (incl. queueing)
+    remote_prefill_share: float = 1.0  # of prefill work, the part the prefill pool serves
+
+    @classmethod
+    def flat(
+        cls, horizon: Horizon, prefill_rate: float, seqs: float, kv: float, **kw: float
+    ) -> Forecast:
+        n = horizon.steps
+        return cls(horizon.step_s, [prefill_rate] * n, [seqs] * n, [kv] * n, **kw)
+
+
+class Forecaster(Protocol):
+    name: str
+
+    def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast: ...
+
+
+def _common(table: LifecycleTable) -> dict[str, float]:
+    st = table.stats
+    mean_req = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
+    return {
+        "prefill_backlog_tokens": float(table.prefill_backlog_tokens),
+        "mean_prefill_tokens": max(mean_req, 1.0),
+        "decode_s_per_token": st.tpot(0.02),
+        "remote_prefill_share": st.remote_share.get(1.0),
+    }
+
+
+class LastValueForecaster:
+    """Tomorrow looks like today: the last interval's rate and the current decode count."""
+
+    name = "last"
+
+    def __init__(self) -> None:
+        self._prev: tuple[float, int] | None = None
+
+    def _observed_rate(self, table: LifecycleTable, now: float) -> float:
+        prev, self._prev = self._prev, (now, table.submitted_tokens_total)
+        if prev is None or now <= prev[0]:
+            return 0.0
+        return (table.submitted_tokens_total - prev[1]) / (now - prev[0])
+
+    def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast:
+        rate = self._observed_rate(table, now)
+        seqs = float(table.count(State.DECODE))
+        kv = float(table.decode_context_tokens)
+        return Forecast.flat(horizon, rate, seqs, kv, **_common(table))
+
+
+class EwmaForecaster(LastValueForecaster):
+    """Smoothed recent past (like NVIDIA Dynamo's load predictor with a moving average)."""
+
+    name = "ewma"
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self._rate: float | None = None
+        self._seqs: float | None = None
+        self._kv: float | None = None
+
+    def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast:
+        rate = self._observed_rate(table, now)
+        seqs = float(table.count(State.DECODE))
+        kv = float(table.decode_context_tokens)
+        a = self.alpha
+        self._rate = rate if self._rate is None else self._rate + a * (rate - self._rate)
+        self._seqs = seqs if self._seqs is None else self._seqs + a * (seqs - self._seqs)
+        self._kv = kv if self._kv is None else self._kv + a * (kv - self._kv)
+        return Forecast.flat(horizon, self._rate, self._seqs, self._kv, **_common(table))
+
+
+_Z_LO, _Z_HI, _Z_STEP = -4.0, 4.0, 0.125
+
+
+class LifecycleForecaster:
+    """Prorsa's forecaster: plays every trajectory's lifecycle forward over the horizon.
+
+    - In a tool call (or between turns) for `e` seconds: its next prefill arrives with the
+      learned tool-latency distribution conditioned on having lasted `e`, times the
+      probability that another turn follows; its size is the trajectory's mean tool output.
+    - Decoding: it leaves decode after its remaining output, estimated from its GRPO group's
+      output lengths (log-normal, conditioned on what it has generated so far).
+    - Then the cycle repeats inside the horizon: prefills enter decode after the observed
+      prefill latency, stay for a log-normal output length, go to a tool, come back.
+    - Arrivals: none in `sync` mode (the batch is known); the recent start rate in `async`.
+
+    The chain runs on a grid `substeps` times finer than the horizon step, so agent turns
+    shorter than a step are followed rather than averaged away.
+    """
+
+    name = "lifecycle"
+
+    def __init__(self, mode: RolloutMode = "sync", substeps: int = 4) -> None:
+        self.mode = mode
+        self.substeps = substeps
+        self._prev_started: tuple[float, int] | None = None
+        self._arrival_rate = 0.0
+
+    def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast:
+        st = table.stats
+        hist = st.tool_latency
+        dt, n = horizon.step_s, horizon.steps
+        sub = self.substeps
+        f = dt / sub
+        m_bins = n * sub
+        tpot = st.tpot(0.02)
+        p_cont = st.p_continue
+        mean_tool_out = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
+        first_prompt = st.first_prompt_tokens.get(512.0)
+        prefill_lag = st.prefill_latency_s.get(0.0)
+        sigma_w = max(st.output_resid.std, 0.05) if st.output_resid.n > 2 else 1.0
+        mu_all = st.output_len.mean if st.output_len.n > 0 else math.log(256.0)
+        sigma_all = max(st.output_len.std, 0.05) if st.output_len.n > 2 else 1.0
+        rfac = _remaining_factor_table(sigma_w)
+        surv: list[float] | None = None  # set after the pass below (needs censored counts)
+
+        def tool_returns(elapsed: float) -> list[float]:
+            """P(return in fine bin m | the call has lasted `elapsed`)."""
+            out = [0.0] * m_bins
+            s0 = hist.survival(elapsed, surv) if surv is not None else 0.0
+            if surv is not None and s0 > 1e-4:
+                prev = 1.0
+                for m in range(m_bins):
+                    cur = hist.survival(elapsed + (m + 1) * f, surv) / s0
+                    out[m] = max(prev - cur, 0.0)
+                    prev = cur
+            else:  # beyond anything seen (or nothing seen yet): memoryless, mean ~ elapsed
+                mean = max(elapsed, dt)
+                for m in range(m_bins):
+                    out[m] = math.exp(-m * f / mean) - math.exp(-(m + 1) * f / mean)
+            return out
+
+        # ---- current state, one pass over the trajectories ----------------------------------
+        nb = hist.bins
+        bin_tokens = [0.0] * nb
+        bin_count = [0.0] * nb
+        in_tool = [0.0] * nb  # calls still running, by elapsed bin (censored durations)
+        submit_tokens = [0.0] * m_bins  # prefill tokens submitted in fine bin m
+        submit_count = [0.0] * m_bins
+        leave = [0.0] * (m_bins + 1)  # today's decodes leaving in bin m (m_bins: later)
+        prefilling = 0.0
+        decoding = 0.0
+        kv_now = 0.0
+        hindex = hist.index
+        cont_after = st.p_continue_after
+        pop_cont = pop_n = 0.0
+        log, exp = math.log, math.exp
+        zlen = len(rfac) - 1
+        for t in table.trajs.values():
+            s = t.state
+            if s == State.DECODE:
+                pop_cont += cont_after(t.turn)
+                pop_n += 1.0
+                g = (now - t.state_since) / tpot
+                mu = t.decode_logmu
+                if g >= 1.0:
+                    zi = int(((log(g) - mu) / sigma_w - _Z_LO) / _Z_STEP)
+                    total = exp(mu) * rfac[0 if zi < 0 else (zlen if zi > zlen else zi)]
+                else:
+                    total, g = exp(mu) * rfac[0], 0.0
+                k = int((total - g if total > g else 1.0) * tpot / f)
+                leave[k if k < m_bins else m_bins] += 1.0
+                decoding += 1.0
+                kv_now += t.context_tokens + g
+            elif s == State.PREFILL:
+                prefilling += 1.0
+            elif t.turn == 0:  # started, first turn not submitted yet
+                submit_tokens[0] += first_prompt
+                submit_count[0] += 1.0
+            else:  # between turns: in a tool call or an inferred gap
+                elapsed = now - t.state_since
+                out = t.mean_tool_output
+                p_next = cont_after(t.turn)
+                tokens = (out if out is not None else mean_tool_out) * p_next
+                pop_cont += p_next
+                pop_n += 1.0
+                hint = t.tool_hint
+                if hint is not None and elapsed < hint:
+                    k = int((hint - elapsed) / f)
+                    if k < m_bins:
+                        submit_tokens[k] += tokens
+                        submit_count[k] += p_next
+                    continue
+                b = hindex(elapsed) if elapsed > 0 else 0
+                bin_tokens[b] += tokens
+                bin_count[b] += p_next
+                in_tool[b] += 1.0
+        if hist.total > 0:
+            surv = hist.survival_table(in_tool)
+        for b in range(nb):
+            if bin_count[b]:
+                e = hist.lo * 0.5 if b == 0 else hist.edge(b - 1) * math.sqrt(hist.ratio)
+                probs = tool_returns(e)
+                ct, tk = bin_count[b], bin_tokens[b]
+                for m in range(m_bins):
+                    submit_count[m] += ct * probs[m]
+                    submit_tokens[m] += tk * probs[m]
+        arrivals = self._arrivals(table, now) * f
+        if arrivals:
+            for m in range(m_bins):
+                submit_count[m] += arrivals
+                submit_tokens[m] += arrivals * first_prompt
+
+        # ---- the chain: submit -> (prefill lag) -> decode -> tool -> submit ... -------------
+        # Continuation in the chain: the current population's average at its turn depth.
+        p_cont = pop_cont / pop_n if pop_n else p_cont
+        lag = int(prefill_lag / f)
+        spread = max(1, 2 * lag + 1)
+        entries = [0.0] * m_bins
+        for m in range(min(spread, m_bins)):
+            entries[m] += prefilling / spread
+        d_exit = [0.0] * m_bins  # P(a decode lasts k fine bins)
+        prev = 1.0
+        for k in range(m_bins):
+            x = (k + 1) * f / tpot
+            cur = 1.0 - normal_cdf((log(x) - mu_all) / sigma_all)
+            d_exit[k] = prev - cur
+            prev = cur
+        k0 = tool_returns(0.0)
+        exits = leave[:m_bins]
+        seqs_fine = [0.0] * m_bins
+        kv_per_seq = kv_now / decoding if decoding else first_prompt
+        cur_seqs = decoding
+        for m in range(m_bins):
+            if m >= lag:
+                entries[m] += submit_count[m - lag]
+            e_m = entries[m]
+            if e_m:
+                for k in range(m_bins - m):
+                    exits[m + k] += e_m * d_exit[k]
+            cur_seqs += e_m - exits[m]
+            seqs_fine[m] = cur_seqs if cur_seqs > 0 else 0.0
+            back = exits[m] * p_cont
+            if back:  # same-bin returns count as demand now and enter decode next bin
+                for r in range(m_bins - m):
+                    w = back * k0[r]
+                    j = m + 1 if r == 0 and lag == 0 and m + 1 < m_bins else m + r
+                    submit_count[j] += w
+                    submit_tokens[m + r] += w * mean_tool_out
+
+        prefill = [sum(submit_tokens[h * sub : (h + 1) * sub]) / dt for h in range(n)]
+        seqs = [seqs_fine[(h + 1) * sub - 1] for h in range(n)]
+        kv = [x * kv_per_seq for x in seqs]
+        return Forecast(dt, prefill, seqs, kv, **_common(table))
+
+    def _arrivals(self, table: LifecycleTable, now: float) -> float:
+        prev, self._prev_started = self._prev_started, (now, table.started_total)
+        if self.mode == "sync" or prev is None or now <= prev[0]:
+            return 0.0
+        rate = (table.started_total - prev[1]) / (now - prev[0])
+        self._arrival_rate += 0.3 * (rate - self._arrival_rate)
+        return self._arrival_rate
+
+
+def _remaining_factor_table(sigma: float) -> list[float]:
+    """E[L | L > g] / exp(mu) for log-normal L, indexed by z = (ln g - mu) / sigma."""
+    out = []
+    z = _Z_LO
+    while z <= _Z_HI + 1e-9:
+        tail = max(normal_cdf(-z), 1e-12)
+        out.append(math.exp(sigma * sigma / 2.0) * normal_cdf(sigma - z) / tail)
+        z += _Z_STEP
+    return out
+
+
+FORECASTERS = {
+    "last": LastValueForecaster,
+    "ewma": EwmaForecaster,
+    "lifecycle": LifecycleForecaster,
+}
+
+
+def make_forecaster(name: str, mode: RolloutMode = "sync") -> Forecaster:
+    if name == "lifecycle":
+        return LifecycleForecaster(mode)
+    if name == "last":
+        return LastValueForecaster()
+    if name == "ewma":
+        return EwmaForecaster()
+    raise ValueError(f"unknown forecaster {name!r}; choose one of {sorted(FORECASTERS)}")
+
+
+@dataclass
+class ForecastScorer:
+    """Weighted MAPE of forecasts against realised demand, over every horizon step.
+
+    Realised prefill demand is the tokens submitted during each step; realised decode load is
+    the number of sequences decoding at the step's end. Error is sum|F - A| / sum A (a MAPE
+    weighted by actual demand, which stays defined when a step has zero demand).
+    """
+
+    horizon: Horizon
+    pending: list[tuple[float, Forecast]] = field(default_factory=list)
+    abs_err: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    actual_sum: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    _samples: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def record_forecast(self, now: float, fc: Forecast) -> None:
+        self.pending.append((now, fc))
+
+    def record_actual(self, now: float, submitted_total: int, decoding: int) -> None:
+        """Called once per step with the table's cumulative counters."""
+        self._samples.append((now, submitted_total, decoding))
+        dt = self.horizon.step_s
+        still: list[tuple[float, Forecast]] = []
+        for t0, fc in self.pending:
+            if now + 1e-9 < t0 + self.horizon.seconds:
+                still.append((t0, fc))
+                continue
+            self._score(t0, fc, dt)
+        self.pending = still
+        horizon_start = now - self.horizon.seconds - dt
+        self._samples = [s for s in self._samples if s[0] >= horizon_start - 1e-9]
+
+    def _score(self, t0: float, fc: Forecast, dt: float) -> None:
+        by_time = {round(s[0] / dt): s for s in self._samples}
+        base = by_time.get(round(t0 / dt))
+        if base is None:
+            return
+        prev = base
+        for h in range(len(fc.decode_seqs)):
+            cur = by_time.get(round(t0 / dt) + h + 1)
+            if cur is None:
+                return
+            actual_rate = (cur[1] - prev[1]) / dt
+            self.abs_err["prefill"] += abs(fc.prefill_tokens_per_s[h] - actual_rate)
+            self.actual_sum["prefill"] += actual_rate
+            self.abs_err["decode"] += abs(fc.decode_seqs[h] - cur[2])
+            self.actual_sum["decode"] += cur[2]
+            prev = cur
+
+    def mape(self) -> dict[str, float]:
+        return {
+            k: (100.0 * self.abs_err[k] / self.actual_sum[k]) if self.actual_sum[k] else 0.0
+            for k in self.abs_err
+        }

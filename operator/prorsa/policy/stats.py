@@ -1,0 +1,150 @@
+"""Online statistics the lifecycle forecaster learns from events.
+
+All of them are fixed-size (memory stays bounded however long the rollout runs) and cheap to
+update, because the controller feeds them thousands of events per decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+@dataclass(slots=True)
+class Ewma:
+    """Exponentially weighted mean; `None` until the first sample."""
+
+    alpha: float
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass(slots=True)
+class LogMoments:
+    """Welford mean and variance of log(x): the parameters of a log-normal fit."""
+
+    n: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float, weight: float = 1.0) -> None:
+        y = math.log(max(x, 1e-9))
+        self.n += weight
+        delta = y - self.mean
+        self.mean += weight * delta / self.n
+        self.m2 += weight * delta * (y - self.mean)
+
+    @property
+    def var(self) -> float:
+        return self.m2 / self.n if self.n > 1 else 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+
+@dataclass
+class LogHistogram:
+    """Histogram over log-spaced bins, used as an empirical distribution of durations.
+
+    `survival(t)` interpolates linearly in log-time between bin edges, so the conditional
+    probability that a tool call which has run for `e` seconds returns in [e+a, e+b) is cheap
+    to evaluate for every bin of elapsed time at once.
+    """
+
+    lo: float = 0.01
+    ratio: float = math.sqrt(2.0)
+    bins: int = 48
+    counts: list[float] = field(default_factory=list)
+    total: float = 0.0
+    decay: float = 0.99995
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0.0] * self.bins
+        self._log_lo = math.log(self.lo)
+        self._log_ratio = math.log(self.ratio)
+        self._weight = 1.0
+        self.n = 0
+
+    def index(self, x: float) -> int:
+        if x <= self.lo:
+            return 0
+        i = int((math.log(x) - self._log_lo) / self._log_ratio) + 1
+        return i if i < self.bins else self.bins - 1
+
+    def edge(self, i: int) -> float:
+        """Upper edge of bin i (bin 0 holds everything below `lo`)."""
+        return self.lo * self.ratio**i
+
+    def add(self, x: float) -> None:
+        # A slow decay lets the distribution follow a workload whose tools change over time.
+        # Instead of scaling every bin on each sample, newer samples get a growing weight.
+        self.counts[self.index(x)] += self._weight
+        self.total += self._weight
+        self.n += 1
+        self._weight /= self.decay
+        if self._weight > 1e6:
+            scale = 1.0 / self._weight
+            self.counts = [c * scale for c in self.counts]
+            self.total *= scale
+            self._weight = 1.0
+
+    def survival_table(self, censored: list[float] | None = None) -> list[float]:
+        """S at each upper bin edge: P(X > edge(i)).
+
+        `censored[i]` counts durations still running with their elapsed time in bin i (tool
+        calls in flight). Without them a long tool call only counts once it returns, so early
+        in a rollout the tail is missing and returns are predicted too soon; with them the
+        estimate is Kaplan-Meier over the bins.
+        """
+        if self.total <= 0:
+            return [0.0] * self.bins
+        # completed samples in "number of observations" units, comparable with censored
+        scale = min(self.n, 1.0 / (1.0 - self.decay)) / self.total if self.decay < 1 else 1.0
+        done = [c * scale for c in self.counts]
+        cens = censored or [0.0] * self.bins
+        at_risk = sum(done) + sum(cens)
+        out: list[float] = []
+        s = 1.0
+        for i in range(self.bins):
+            if at_risk > 0:
+                s *= max(0.0, 1.0 - done[i] / at_risk)
+            out.append(s)
+            at_risk -= done[i] + cens[i]
+        return out
+
+    def survival(self, t: float, table: list[float]) -> float:
+        if self.total <= 0:
+            return 0.0
+        if t <= 0:
+            return 1.0
+        i = self.index(t)
+        upper = table[i]
+        lower_edge = self.edge(i - 1) if i > 0 else 0.0
+        lower = table[i - 1] if i > 0 else 1.0
+        if i == 0:
+            frac = t / self.lo
+        else:
+            hi_edge = self.edge(i)
+            frac = (math.log(t) - math.log(lower_edge)) / (math.log(hi_edge) - math.log(lower_edge))
+        frac = min(max(frac, 0.0), 1.0)
+        return lower + (upper - lower) * frac
+
+    def mean(self) -> float:
+        if self.total <= 0:
+            return 0.0
+        acc = 0.0
+        for i, c in enumerate(self.counts):
+            mid = self.lo / 2 if i == 0 else self.edge(i - 1) * math.sqrt(self.ratio)
+            acc += c * mid
+        return acc / self.total

@@ -1,0 +1,151 @@
+"""Run one seeded workload under several policies and compare them.
+
+`static` is reported at the best P:D split found in hindsight (a sweep over splits), which is
+what a careful user would tune by hand; `oracle` is the predictive allocator fed the
+simulator's ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from prorsa.policy.allocate import AllocationSettings, make_policy
+from prorsa.sim.costmodel import CostModel
+from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
+from prorsa.sim.oracle import oracle_forecast
+from prorsa.sim.workload import WorkloadSpec, generate
+
+ALL_POLICIES = ("colocated", "static", "reactive", "predictive", "oracle")
+
+Progress = Callable[[str, float], None]
+
+
+def run_policy(
+    cost: CostModel,
+    spec: WorkloadSpec,
+    config: SimConfig,
+    policy: str,
+    progress: Progress | None = None,
+    label: str | None = None,
+) -> SimResult:
+    cfg = replace(
+        config, settings=replace(config.settings, policy=policy), per_gpu=spec.trajectories_per_gpu
+    ).resolved()
+    scripts = generate(spec, cfg.trajectories, cfg.seed)
+    pol = make_policy(cfg.settings, cost.role_capacity())
+    name = label or policy
+    sim = Simulator(
+        cost, scripts, cfg, pol, progress=(lambda f: progress(name, f)) if progress else None
+    )
+    if policy == "oracle":
+        sim.oracle_forecast = oracle_forecast
+    result = sim.run()
+    result.label = name
+    return result
+
+
+def static_splits(gpus: int) -> list[int]:
+    """Prefill-worker counts a user might try: eighths of the cluster, at least one each."""
+    return sorted({min(max(1, round(gpus * k / 8)), gpus - 1) for k in range(1, 8)})
+
+
+def score(r: SimResult) -> float:
+    """Lower is better: makespan in sync mode, inverse throughput in async mode."""
+    if r.mode == "sync":
+        return r.makespan_s
+    return 1.0 / r.throughput_traj_per_min if r.throughput_traj_per_min > 0 else float("inf")
+
+
+@dataclass
+class Comparison:
+    workload: str
+    mode: Mode
+    gpus: int
+    preset: str
+    seed: int
+    results: dict[str, SimResult]
+    static_sweep: dict[int, SimResult]
+
+    def speedup(self, policy: str, baseline: str = "colocated") -> float:
+        return score(self.results[baseline]) / score(self.results[policy])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "workload": self.workload,
+            "mode": self.mode,
+            "gpus": self.gpus,
+            "preset": self.preset,
+            "seed": self.seed,
+            "results": {},
+        }
+        for name, r in self.results.items():
+            row: dict[str, Any] = {
+                "throughput_traj_per_min": r.throughput_traj_per_min,
+                "p50_completion_s": r.p50_completion_s,
+                "p99_completion_s": r.p99_completion_s,
+                "prefill_util": r.prefill_util,
+                "decode_util": r.decode_util,
+                "switches": r.switches,
+                "trajectories": r.trajectories,
+                "turns": r.turns,
+                "decisions": r.decisions,
+                "label": r.label,
+            }
+            if r.mode == "sync":
+                row["makespan_s"] = r.makespan_s
+            if "colocated" in self.results:
+                row["speedup_vs_colocated"] = self.speedup(name)
+            if name == "predictive":
+                row["forecast_mape_pct"] = r.forecast_mape
+            out["results"][name] = row
+        if self.static_sweep:
+            out["static_sweep"] = {
+                str(p): {
+                    "makespan_s": r.makespan_s,
+                    "throughput_traj_per_min": r.throughput_traj_per_min,
+                }
+                for p, r in self.static_sweep.items()
+            }
+        return out
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def compare(
+    cost: CostModel,
+    spec: WorkloadSpec,
+    config: SimConfig,
+    policies: Sequence[str] = ALL_POLICIES,
+    preset_name: str = "",
+    progress: Progress | None = None,
+) -> Comparison:
+    cfg = replace(config, per_gpu=spec.trajectories_per_gpu).resolved()
+    results: dict[str, SimResult] = {}
+    sweep: dict[int, SimResult] = {}
+    for policy in policies:
+        if policy == "static" and cfg.settings.static_prefill is None:
+            for p in static_splits(cfg.gpus):
+                c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
+                sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
+            best_p = min(sweep, key=lambda p: score(sweep[p]))
+            best = sweep[best_p]
+            best.label = f"static {best_p}P:{cfg.gpus - best_p}D (best of {len(sweep)})"
+            results["static"] = best
+        else:
+            results[policy] = run_policy(cost, spec, cfg, policy, progress)
+    return Comparison(spec.name, cfg.mode, cfg.gpus, preset_name, cfg.seed, results, sweep)
+
+
+def default_settings(**overrides: Any) -> AllocationSettings:
+    return replace(AllocationSettings(), **overrides)
+
+
+def result_dict(r: SimResult) -> dict[str, Any]:
+    d = asdict(r)
+    d.pop("timeline")
+    return d

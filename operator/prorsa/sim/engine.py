@@ -1,0 +1,790 @@
+"""Discrete-event simulator of one rollout cluster under one allocation policy.
+
+The simulated cluster is the real system in miniature: a router that places each turn's
+prefill (least uncached-token work, prefix-cache aware) and decode (sticky per trajectory),
+workers whose speed comes from `CostModel`, KV transfers between them, tool calls, and a
+controller that every `interval_s` feeds the lifecycle events the router would have written to
+the very same `LifecycleTable`, forecaster and `Policy` objects the operator runs.
+
+Workers advance as fluids between events: a decode batch shares one step time, so each worker
+keeps a single "tokens generated per sequence" counter and a heap of finish targets, which
+makes a batch change O(log batch) instead of O(batch).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from prorsa.policy.allocate import (
+    AllocationSettings,
+    ClusterView,
+    Decision,
+    Policy,
+    Role,
+    WorkerView,
+    make_policy,
+)
+from prorsa.policy.forecast import (
+    Forecast,
+    Forecaster,
+    ForecastScorer,
+    Horizon,
+    make_forecaster,
+)
+from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
+from prorsa.sim.costmodel import CostModel
+from prorsa.sim.workload import TrajectoryScript
+
+Mode = Literal["sync", "async"]
+
+# Heap event kinds
+_WORKER, _KV_DONE, _TOOL_DONE, _ARRIVAL, _TICK, _SWITCH_DONE = range(6)
+_EPS = 1e-6
+_REFRESH_S = 5.0  # re-evaluate a decode segment at least this often (its KV keeps growing)
+
+
+@dataclass
+class SimConfig:
+    gpus: int
+    mode: Mode = "sync"
+    trajectories: int = 0  # 0: `per_gpu` per GPU (sync) or 4x the concurrency (async)
+    concurrency: int = 0  # async: trajectories in flight (0: `per_gpu` per GPU)
+    per_gpu: int = 16  # the workload's typical batch per GPU
+    seed: int = 0
+    settings: AllocationSettings = field(default_factory=AllocationSettings)
+    tool_events: bool = True  # clients send tool_start/tool_end hints through the router
+    shadow_forecasters: tuple[str, ...] = ("last", "ewma", "lifecycle")
+    # Conditional disaggregation (as NVIDIA Dynamo does): a turn that appends at most this
+    # many tokens to a context its decode worker already holds is prefilled there, locally,
+    # instead of being recomputed on a prefill worker that lacks the prefix. 0 disables.
+    local_prefill_max_tokens: int = 1024
+    # The router spills pool-worthy prefills to the decode worker while the least-loaded
+    # prefill worker has more than this many seconds of work queued.
+    prefill_spill_s: float = 1.0
+    max_sim_s: float = 7 * 24 * 3600.0
+
+    def resolved(self) -> SimConfig:
+        if self.gpus < 2:
+            raise ValueError("the simulator needs at least 2 GPUs (one per role)")
+        conc = self.concurrency or self.per_gpu * self.gpus
+        n = self.trajectories or (self.per_gpu * self.gpus if self.mode == "sync" else 4 * conc)
+        return replace(self, trajectories=n, concurrency=conc)
+
+
+class TrajRun:
+    __slots__ = (
+        "context",
+        "dec_ctx",
+        "decode_home",
+        "ended_at",
+        "gjoin",
+        "idx",
+        "in_decode",
+        "phase_t0",
+        "prefill_home",
+        "script",
+        "started_at",
+        "target",
+        "tool_until",
+        "turn",
+    )
+
+    def __init__(self, idx: int, script: TrajectoryScript) -> None:
+        self.idx = idx
+        self.script = script
+        self.turn = 0
+        self.context = 0  # tokens whose KV exists after the current turn's prefill
+        self.decode_home = -1
+        self.prefill_home = -1
+        self.started_at = -1.0
+        self.ended_at = -1.0
+        self.dec_ctx = 0
+        self.gjoin = 0.0
+        self.in_decode = -1  # worker decoding it, or -1
+        self.tool_until = -1.0
+        self.phase_t0 = 0.0  # when the current phase's request was sent (for event timings)
+        self.target = 0.0  # decode: the worker's G at which this sequence finishes
+
+
+class PrefillJob:
+    __slots__ = ("compute", "ctx", "local", "remaining", "started", "traj")
+
+    def __init__(self, traj: TrajRun, compute: int, ctx: int, local: bool) -> None:
+        self.traj = traj
+        self.compute = compute  # tokens to compute (prompt minus cached prefix)
+        self.ctx = ctx  # cached prefix the new tokens attend to
+        self.remaining = float(compute)
+        self.local = local  # decode on the same worker (mixed / fallback) or transfer
+        self.started = 0.0
+
+
+class SimWorker:
+    def __init__(self, idx: int, role: Role, kv_capacity: float) -> None:
+        self.idx = idx
+        self.id = f"w{idx}"
+        self.role = role
+        self.draining = False
+        self.target_role: Role | None = None
+        self.restarting = False
+        self.kv_capacity = kv_capacity
+        self.pq: deque[PrefillJob] = deque()
+        self.queue_s = 0.0
+        self.queue_tokens = 0
+        self.heap: list[tuple[float, int, TrajRun]] = []
+        self.G = 0.0
+        self.count = 0
+        self.ctx_sum = 0
+        self.gjoin_sum = 0.0
+        self.pending: deque[TrajRun] = deque()
+        self.incoming = 0
+        self.cache: OrderedDict[int, int] = OrderedDict()
+        self.cache_total = 0
+        self.homed = 0  # trajectories whose decode sticks to this worker
+        self.last_t = 0.0
+        self.tau = 0.0
+        self.p_rate = 0.0
+        self.version = 0
+        self.busy_s: dict[Role, float] = {r: 0.0 for r in Role}
+        self.role_s: dict[Role, float] = {r: 0.0 for r in Role}
+        self.role_since = 0.0
+
+    def accepts(self, role: Role) -> bool:
+        if self.draining or self.restarting:
+            return False
+        return self.role == role or self.role == Role.MIXED
+
+    @property
+    def kv_running(self) -> float:
+        return self.ctx_sum + self.count * self.G - self.gjoin_sum
+
+    def cached(self, traj_idx: int) -> int:
+        return self.cache.get(traj_idx, 0)
+
+
+@dataclass
+class TimelinePoint:
+    t: float
+    prefill: int
+    decode: int
+    mixed: int
+    forecast_prefill_tps: float
+    actual_prefill_tps: float
+    forecast_decode: float
+    actual_decode: int
+
+
+@dataclass
+class SimResult:
+    policy: str
+    mode: Mode
+    makespan_s: float
+    throughput_traj_per_min: float
+    p50_completion_s: float
+    p99_completion_s: float
+    prefill_util: float
+    decode_util: float
+    switches: int
+    trajectories: int
+    turns: int
+    output_tokens: int
+    prefill_tokens_computed: int
+    decisions: int
+    forecast_mape: dict[str, dict[str, float]]
+    timeline: list[TimelinePoint]
+    wall_s: float = 0.0
+    label: str = ""
+
+
+class Simulator:
+    def __init__(
+        self,
+        cost: CostModel,
+        scripts: list[TrajectoryScript],
+        config: SimConfig,
+        policy: Policy | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.cost = cost
+        self.cfg = config.resolved()
+        self.settings = self.cfg.settings
+        self.capacity = cost.role_capacity()
+        self.policy = policy or make_policy(self.settings, self.capacity)
+        self.trajs = [TrajRun(i, s) for i, s in enumerate(scripts)]
+        kv_cap = cost.kv_capacity_tokens
+        roles = self.policy.initial_roles(self.cfg.gpus)
+        self.workers = [SimWorker(i, r, kv_cap) for i, r in enumerate(roles)]
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._dec_seq = itertools.count()
+        self.events: list[Event] = []
+        self.table = LifecycleTable()
+        self.horizon = Horizon(
+            self.settings.interval_s,
+            max(1, round(self.settings.horizon_s / self.settings.interval_s)),
+        )
+        self.shadows: dict[str, Forecaster] = {
+            name: make_forecaster(name, self.cfg.mode) for name in self.cfg.shadow_forecasters
+        }
+        self.scorers = {name: ForecastScorer(self.horizon) for name in self.shadows}
+        self.oracle_forecast: Callable[[Simulator], Forecast] | None = None
+        self.switches = 0
+        self.decisions = 0
+        self.done = 0
+        self.started = 0
+        self.turns_done = 0
+        self.output_tokens = 0
+        self.prefill_computed = 0
+        self.timeline: list[TimelinePoint] = []
+        self._last_submitted = 0
+        self._last_tick = 0.0
+        self.progress = progress
+        self.admission_closed_at = math.inf
+        self.completions: list[float] = []
+        self._pools_dirty = True
+        self._prefill_pool: list[SimWorker] = []
+        self._decode_pool: list[SimWorker] = []
+        self.last_decision: Decision | None = None
+        self.event_log: list[Event] | None = None  # set to a list to keep every event
+
+    # ---- event queue ------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    def _emit(self, etype: EventType, traj: TrajRun, **fields: object) -> None:
+        ev = Event(etype, traj.script.id, self.now, **fields)  # type: ignore[arg-type]
+        self.events.append(ev)
+        if self.event_log is not None:
+            self.event_log.append(ev)
+
+    # ---- main loop --------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        import time
+
+        wall0 = time.perf_counter()
+        cfg = self.cfg
+        if cfg.mode == "sync":
+            for tr in self.trajs:
+                self._push(0.0, _ARRIVAL, tr)
+            self.admission_closed_at = 0.0
+        else:
+            first = min(cfg.concurrency, len(self.trajs))
+            ramp = 30.0  # stagger the first wave, as an async trainer would
+            for i in range(first):
+                self._push(ramp * i / max(first, 1), _ARRIVAL, self.trajs[i])
+            self._next_admit = first
+            if first >= len(self.trajs):
+                self.admission_closed_at = ramp
+        self._push(0.0, _TICK, None)
+        total = len(self.trajs)
+        while self._heap and self.done < total:
+            t, _, kind, payload = heapq.heappop(self._heap)
+            if t > cfg.max_sim_s:
+                raise RuntimeError(f"simulation exceeded {cfg.max_sim_s:.0f} simulated seconds")
+            self.now = t
+            if kind == _WORKER:
+                worker, version = payload
+                if worker.version == version:
+                    self._on_worker(worker)
+            elif kind == _TOOL_DONE:
+                self._on_tool_done(payload)
+            elif kind == _KV_DONE:
+                tr, worker = payload
+                worker.incoming -= 1
+                self._decode_join(worker, tr)
+                self._check_drained(worker)
+            elif kind == _ARRIVAL:
+                self._on_arrival(payload)
+            elif kind == _TICK:
+                self._on_tick()
+            elif kind == _SWITCH_DONE:
+                payload.restarting = False
+                self._pools_dirty = True
+                self._drain_pending_everywhere()
+        for w in self.workers:
+            self._advance(w)
+            w.role_s[w.role] += self.now - w.role_since
+        return self._result(time.perf_counter() - wall0)
+
+    # ---- trajectories -----------------------------------------------------------------------
+
+    def _on_arrival(self, tr: TrajRun) -> None:
+        tr.started_at = self.now
+        self.started += 1
+        self._emit(EventType.TRAJ_START, tr, group=tr.script.group)
+        if self.policy.name == "colocated":
+            self._set_home(tr, self.workers[tr.idx % len(self.workers)])
+        self._submit_turn(tr)
+
+    def _submit_turn(self, tr: TrajRun) -> None:
+        turn = tr.script.turns[tr.turn]
+        prompt = tr.context + turn.new_tokens
+        w, local, worthy = self._place_prefill(tr, prompt, turn.new_tokens)
+        cached = min(w.cached(tr.idx), prompt - 1)
+        compute = max(prompt - cached, 1)
+        self._emit(
+            EventType.TURN_SUBMIT,
+            tr,
+            prompt_tokens=prompt,
+            uncached_tokens=compute,
+            remote=worthy,
+        )
+        tr.context = prompt
+        tr.phase_t0 = self.now
+        job = PrefillJob(tr, compute, cached, local)
+        self._advance(w)
+        w.pq.append(job)
+        w.queue_s += self.cost.prefill_s(compute, cached)
+        w.queue_tokens += compute
+        self._reschedule(w)
+
+    def _on_tool_done(self, tr: TrajRun) -> None:
+        if self.cfg.tool_events:
+            self._emit(EventType.TOOL_END, tr)
+        self._submit_turn(tr)
+
+    def _after_decode(self, tr: TrajRun) -> None:
+        turn = tr.script.turns[tr.turn]
+        self._emit(
+            EventType.DECODE_DONE,
+            tr,
+            output_tokens=turn.output_tokens,
+            seconds=self.now - tr.phase_t0,
+        )
+        self.turns_done += 1
+        self.output_tokens += turn.output_tokens
+        tr.turn += 1
+        if tr.turn >= len(tr.script.turns):
+            tr.ended_at = self.now
+            self._set_home(tr, None)
+            self.done += 1
+            self.completions.append(self.now)
+            self._emit(EventType.TRAJ_END, tr, reason="done")
+            if self.cfg.mode == "async" and self._next_admit < len(self.trajs):
+                self._push(self.now, _ARRIVAL, self.trajs[self._next_admit])
+                self._next_admit += 1
+                if self._next_admit >= len(self.trajs):
+                    self.admission_closed_at = self.now
+            return
+        if self.cfg.tool_events:
+            self._emit(EventType.TOOL_START, tr)
+        tr.tool_until = self.now + turn.tool_s
+        self._push(tr.tool_until, _TOOL_DONE, tr)
+
+    # ---- placement (what the router does) ---------------------------------------------------
+
+    def _pools(self) -> None:
+        if self._pools_dirty:
+            self._prefill_pool = [w for w in self.workers if w.accepts(Role.PREFILL)]
+            self._decode_pool = [w for w in self.workers if w.accepts(Role.DECODE)]
+            self._pools_dirty = False
+
+    def _place_prefill(
+        self, tr: TrajRun, prompt: int, new_tokens: int
+    ) -> tuple[SimWorker, bool, bool]:
+        """Where this turn's prefill runs: (worker, local, pool_worthy).
+
+        Colocated: on the trajectory's home worker. Disaggregated (conditional, as NVIDIA
+        Dynamo does): a short append to a context the decode worker already holds stays
+        local; anything else (first turns, long observations, evicted contexts) is
+        "pool-worthy" and goes to the prefill worker with the least queued work plus uncached
+        tokens (prefix affinity) -- unless that worker would recompute far more than the
+        decode worker, which then keeps it. `pool_worthy` is reported whether or not a pool
+        exists, so the allocator learns how much work a prefill pool would take.
+        """
+        self._pools()
+        home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
+        if home is not None and home.role == Role.MIXED and home.accepts(Role.MIXED):
+            return home, True, False
+        if home is not None and home.role == Role.DECODE and home.accepts(Role.DECODE):
+            moved = self._rebalance(tr, home)
+            if moved is not None:
+                # The old home holds the prefix: it prefills the turn (kv_both) and the new
+                # home pulls the whole context over NIXL.
+                if (
+                    self.cost.switch_mode == "routing"
+                    and home.cached(tr.idx) >= prompt - new_tokens
+                ):
+                    return home, False, False
+                home = moved
+        holds_prefix = (
+            home is not None
+            and home.accepts(Role.DECODE)
+            and home.cached(tr.idx) >= prompt - new_tokens
+        )
+        worthy = not (holds_prefix and new_tokens <= self.cfg.local_prefill_max_tokens)
+        pool = [w for w in self._prefill_pool if w.role == Role.PREFILL]
+        if not pool or not worthy:
+            if home is not None and home.accepts(Role.DECODE):
+                return home, True, worthy
+            return self._place_decode(tr), True, worthy
+        cost = self.cost.prefill_s
+
+        def remote_s(w: SimWorker) -> float:
+            c = w.cached(tr.idx)
+            return w.queue_s + cost(prompt - c, c)
+
+        best = min(pool, key=lambda w: w.queue_s)
+        if best.queue_s > self.cfg.prefill_spill_s:  # the pool is saturated: spill
+            if home is not None and home.accepts(Role.DECODE):
+                return home, True, worthy
+            return self._place_decode(tr), True, worthy
+        if tr.prefill_home >= 0:
+            ph = self.workers[tr.prefill_home]
+            if (
+                ph.role == Role.PREFILL
+                and ph.accepts(Role.PREFILL)
+                and remote_s(ph) <= remote_s(best)
+            ):
+                best = ph
+        if holds_prefix and home is not None and prompt - best.cached(tr.idx) > 2 * new_tokens:
+            return home, True, worthy
+        tr.prefill_home = best.idx
+        return best, False, worthy
+
+    def _place_decode(self, tr: TrajRun) -> SimWorker:
+        self._pools()
+        if tr.decode_home >= 0:
+            home = self.workers[tr.decode_home]
+            if home.accepts(Role.DECODE):
+                return home
+        pool = self._decode_pool or [w for w in self.workers if not w.restarting]
+        w = min(pool, key=lambda w: w.homed)  # balance the trajectories each worker hosts
+        self._set_home(tr, w)
+        return w
+
+    def _rebalance(self, tr: TrajRun, home: SimWorker) -> SimWorker | None:
+        """Move a trajectory off a decode worker that hosts far more than its share (after
+        role switches, sticky placement alone would leave new decode workers idle)."""
+        pool = self._decode_pool
+        if len(pool) < 2:
+            return None
+        avg = sum(w.homed for w in pool) / len(pool)
+        if home.homed <= 1.25 * avg + 2:
+            return None
+        target = min(pool, key=lambda w: w.homed)
+        if target.homed >= avg:
+            return None
+        self._set_home(tr, target)
+        return target
+
+    def _set_home(self, tr: TrajRun, w: SimWorker | None) -> None:
+        if tr.decode_home >= 0:
+            self.workers[tr.decode_home].homed -= 1
+        tr.decode_home = -1 if w is None else w.idx
+        if w is not None:
+            w.homed += 1
+
+    # ---- worker dynamics ------------------------------------------------------------------
+
+    def _advance(self, w: SimWorker) -> None:
+        dt = self.now - w.last_t
+        if dt > 0:
+            if w.count and w.tau > 0:
+                w.G += dt / w.tau
+            if w.pq and w.p_rate > 0:
+                w.pq[0].remaining -= dt * w.p_rate
+            if w.count or w.pq:
+                w.busy_s[w.role] += dt
+        w.last_t = self.now
+
+    def _reschedule(self, w: SimWorker) -> None:
+        w.version += 1
+        b = w.count
+        cost = self.cost
+        nxt = math.inf
+        if w.restarting:
+            w.tau = w.p_rate = 0.0
+            return
+        if w.pq:
+            job = w.pq[0]
+            done = job.compute - job.remaining
+            if b == 0:
+                w.p_rate = job.compute / max(cost.prefill_s(job.compute, job.ctx), _EPS)
+            else:
+                queued = job.remaining + w.queue_tokens - job.compute
+                chunk = max(min(cost.eff.chunk_tokens - b, queued), 16.0)
+                w.tau = cost.mixed_step_s(b, w.kv_running, chunk, job.ctx + done)
+                w.p_rate = chunk / w.tau
+            nxt = max(job.remaining, 0.0) / w.p_rate
+        if b:
+            rem = max(w.heap[0][0] - w.G, 0.0)
+            if not w.pq:
+                kv_mid = w.kv_running + b * min(rem, _REFRESH_S / max(w.tau, 1e-3)) / 2
+                w.tau = cost.decode_step_s(b, kv_mid)
+            nxt = min(nxt, rem * w.tau, _REFRESH_S)
+        if nxt < math.inf:
+            self._push(self.now + max(nxt, 0.0), _WORKER, (w, w.version))
+
+    def _on_worker(self, w: SimWorker) -> None:
+        self._advance(w)
+        while w.heap and w.heap[0][0] <= w.G + _EPS:
+            _, _, tr = heapq.heappop(w.heap)
+            self._decode_leave(w, tr)
+            self._after_decode(tr)
+        while w.pq and w.pq[0].remaining <= _EPS:
+            job = w.pq.popleft()
+            w.queue_s -= self.cost.prefill_s(job.compute, job.ctx)
+            w.queue_tokens -= job.compute
+            if w.pq:
+                w.pq[0].started = self.now
+            self._prefill_done(w, job)
+        if not w.pq:
+            w.queue_s = 0.0
+        self._admit_pending(w)
+        self._reschedule(w)
+        self._check_drained(w)
+
+    def _prefill_done(self, w: SimWorker, job: PrefillJob) -> None:
+        tr = job.traj
+        self.prefill_computed += job.compute
+        self._emit(
+            EventType.PREFILL_DONE,
+            tr,
+            worker=w.id,
+            tokens=job.compute,
+            seconds=self.now - tr.phase_t0,
+        )
+        tr.phase_t0 = self.now
+        self._cache_put(w, tr.idx, tr.context)
+        if job.local:
+            self._decode_join(w, tr)
+            return
+        d = self._place_decode(tr)
+        transfer = tr.context - min(d.cached(tr.idx), tr.context)
+        d.incoming += 1
+        self._push(self.now + self.cost.kv_transfer_s(transfer), _KV_DONE, (tr, d))
+
+    def _decode_join(self, w: SimWorker, tr: TrajRun) -> None:
+        if w.kv_running + tr.context > w.kv_capacity and w.count > 0:
+            w.pending.append(tr)  # no KV room: wait for a running sequence to finish
+            return
+        self._advance(w)
+        turn = tr.script.turns[tr.turn]
+        tr.dec_ctx = tr.context
+        tr.gjoin = w.G
+        tr.in_decode = w.idx
+        tr.target = w.G + turn.output_tokens
+        heapq.heappush(w.heap, (tr.target, next(self._dec_seq), tr))
+        w.count += 1
+        w.ctx_sum += tr.context
+        w.gjoin_sum += w.G
+        self._cache_put(w, tr.idx, tr.context, pin=True)
+        self._reschedule(w)
+
+    def _decode_leave(self, w: SimWorker, tr: TrajRun) -> None:
+        w.count -= 1
+        w.ctx_sum -= tr.dec_ctx
+        w.gjoin_sum -= tr.gjoin
+        if w.count == 0:
+            w.G = 0.0
+            w.gjoin_sum = 0.0
+        tr.in_decode = -1
+        tr.context += tr.script.turns[tr.turn].output_tokens
+        self._cache_put(w, tr.idx, tr.context)
+
+    def _admit_pending(self, w: SimWorker) -> None:
+        while w.pending and (w.count == 0 or w.kv_running + w.pending[0].context <= w.kv_capacity):
+            self._decode_join(w, w.pending.popleft())
+
+    def _drain_pending_everywhere(self) -> None:
+        for w in self.workers:
+            self._admit_pending(w)
+
+    def _cache_put(self, w: SimWorker, traj_idx: int, tokens: int, pin: bool = False) -> None:
+        """Prefix cache, LRU. Sequences decoding on `w` are never evicted."""
+        old = w.cache.pop(traj_idx, None)
+        if old is not None:
+            w.cache_total -= old
+        w.cache[traj_idx] = tokens
+        w.cache_total += tokens
+        if w.cache_total <= w.kv_capacity:
+            return
+        victims = []
+        freed = 0
+        need = w.cache_total - w.kv_capacity
+        for k, v in w.cache.items():
+            if freed >= need:
+                break
+            if k == traj_idx:
+                continue
+            if self.trajs[k].in_decode == w.idx:
+                continue
+            victims.append(k)
+            freed += v
+        for k in victims:
+            w.cache_total -= w.cache.pop(k)
+
+    # ---- role switches --------------------------------------------------------------------
+
+    def _apply(self, decision: Decision) -> None:
+        for sw in decision.switches:
+            w = self.workers[int(sw.worker[1:])]
+            if w.draining or w.role != sw.from_role:
+                continue
+            w.draining = True
+            w.target_role = sw.to_role
+            self.switches += 1
+            self._pools_dirty = True
+            self._check_drained(w)
+
+    def _check_drained(self, w: SimWorker) -> None:
+        if not w.draining or w.target_role is None:
+            return
+        old = w.role
+        busy_prefill = bool(w.pq) and old in (Role.PREFILL, Role.MIXED)
+        busy_decode = (w.count or w.pending or w.incoming) and old in (Role.DECODE, Role.MIXED)
+        if busy_prefill or busy_decode:
+            return
+        self._advance(w)
+        w.role_s[w.role] += self.now - w.role_since
+        w.role_since = self.now
+        w.role = w.target_role
+        w.draining = False
+        w.target_role = None
+        self._pools_dirty = True
+        restart = self.cost.restart_s
+        if restart > 0:
+            w.restarting = True
+            w.cache.clear()
+            w.cache_total = 0
+            self._push(self.now + restart, _SWITCH_DONE, w)
+        self._reschedule(w)
+
+    # ---- the controller ---------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        return ClusterView(
+            tuple(
+                WorkerView(
+                    id=w.id,
+                    role=w.role,
+                    draining=w.draining,
+                    target_role=w.target_role,
+                    ready=not w.restarting,
+                    inflight_prefill=len(w.pq),
+                    inflight_decode=w.count + len(w.pending) + w.incoming,
+                    queued_prefill_tokens=int(w.queue_tokens),
+                    kv_tokens=w.kv_running,
+                )
+                for w in self.workers
+            )
+        )
+
+    def _on_tick(self) -> None:
+        now = self.now
+        self.table.ingest(self.events)
+        self.events = []
+        table = self.table
+        decoding = table.count(State.DECODE)
+        forecasts: dict[str, Forecast] = {}
+        for name, fc in self.shadows.items():
+            self.scorers[name].record_actual(now, table.submitted_tokens_total, decoding)
+            forecasts[name] = fc.forecast(table, now, self.horizon)
+            self.scorers[name].record_forecast(now, forecasts[name])
+        policy_fc: Forecast | None = None
+        if self.policy.name == "oracle" and self.oracle_forecast is not None:
+            policy_fc = self.oracle_forecast(self)
+        elif self.policy.uses_forecast:
+            policy_fc = forecasts.get("lifecycle") or make_forecaster(
+                "lifecycle", self.cfg.mode
+            ).forecast(table, now, self.horizon)
+        decision = self.policy.decide(self.view(), policy_fc, now)
+        self.decisions += 1
+        self.last_decision = decision
+        self._apply(decision)
+        dt = now - self._last_tick if now > self._last_tick else 1.0
+        alloc = self.view().allocation
+        shown = policy_fc or forecasts.get("lifecycle")
+        self.timeline.append(
+            TimelinePoint(
+                t=now,
+                prefill=alloc.prefill,
+                decode=alloc.decode,
+                mixed=alloc.mixed,
+                forecast_prefill_tps=shown.prefill_tokens_per_s[0] if shown else 0.0,
+                actual_prefill_tps=(table.submitted_tokens_total - self._last_submitted) / dt,
+                forecast_decode=shown.decode_seqs[0] if shown else 0.0,
+                actual_decode=decoding,
+            )
+        )
+        self._last_submitted = table.submitted_tokens_total
+        self._last_tick = now
+        if self.progress is not None:
+            self.progress(self.done / max(len(self.trajs), 1))
+        self._push(now + self.settings.interval_s, _TICK, None)
+
+    def invariant_violations(self) -> list[str]:
+        """Bookkeeping that must hold at every instant (tests check it on every tick)."""
+        bad = []
+        for w in self.workers:
+            if w.count < 0 or w.incoming < 0 or w.queue_tokens < 0 or w.homed < 0:
+                bad.append(f"{w.id}: negative count/incoming/queue/homed")
+            if w.count != len(w.heap):
+                bad.append(f"{w.id}: batch count {w.count} != heap {len(w.heap)}")
+            if w.cache_total != sum(w.cache.values()):
+                bad.append(f"{w.id}: cache total drifted")
+            if w.queue_tokens != sum(j.compute for j in w.pq):
+                bad.append(f"{w.id}: queued tokens drifted")
+            if w.count and w.kv_running < -1e-6:
+                bad.append(f"{w.id}: negative KV")
+        return bad
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def _result(self, wall_s: float) -> SimResult:
+        ended = [tr for tr in self.trajs if tr.ended_at >= 0]
+        durations = sorted(tr.ended_at - tr.started_at for tr in ended)
+        makespan = max((tr.ended_at for tr in ended), default=0.0)
+        if self.cfg.mode == "sync":
+            throughput = 60.0 * len(ended) / makespan if makespan > 0 else 0.0
+        else:
+            # steady state: from the first wave's completion to the last admission
+            conc = self.cfg.concurrency
+            comps = self.completions
+            t0 = comps[min(conc, len(comps)) - 1] if comps and len(comps) > conc else 0.0
+            t1 = self.admission_closed_at
+            inside = sum(1 for c in comps if t0 < c <= t1)
+            if t1 > t0 and inside > 0:
+                throughput = 60.0 * inside / (t1 - t0)
+            else:
+                throughput = 60.0 * len(ended) / makespan if makespan > 0 else 0.0
+
+        def pct(q: float) -> float:
+            if not durations:
+                return 0.0
+            return durations[min(len(durations) - 1, int(q * len(durations)))]
+
+        def util(roles: tuple[Role, ...]) -> float:
+            busy = sum(w.busy_s[r] for w in self.workers for r in roles)
+            total = sum(w.role_s[r] for w in self.workers for r in roles)
+            return busy / total if total else 0.0
+
+        return SimResult(
+            policy=self.policy.name,
+            mode=self.cfg.mode,
+            makespan_s=makespan,
+            throughput_traj_per_min=throughput,
+            p50_completion_s=pct(0.5),
+            p99_completion_s=pct(0.99),
+            prefill_util=util((Role.PREFILL, Role.MIXED)),
+            decode_util=util((Role.DECODE, Role.MIXED)),
+            switches=self.switches,
+            trajectories=len(ended),
+            turns=self.turns_done,
+            output_tokens=self.output_tokens,
+            prefill_tokens_computed=self.prefill_computed,
+            decisions=self.decisions,
+            forecast_mape={n: s.mape() for n, s in self.scorers.items()},
+            timeline=self.timeline,
+            wall_s=wall_s,
+            label=self.policy.name,
+        )

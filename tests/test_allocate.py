@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import pytest
+
+from prorsa.policy.allocate import (
+    Allocation,
+    AllocationSettings,
+    ClusterView,
+    PredictivePolicy,
+    ReactivePolicy,
+    Role,
+    StaticPolicy,
+    WorkerView,
+    make_policy,
+    plan_switches,
+)
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.forecast import Forecast
+
+CAP = RoleCapacity(
+    prefill_tokens_per_s=20_000.0,
+    decode_base_step_s=0.006,
+    decode_s_per_seq=2e-5,
+    decode_s_per_kv_token=3e-8,
+    kv_capacity_tokens=800_000.0,
+)
+
+
+def view(p: int, d: int, **kw: float) -> ClusterView:
+    workers = [WorkerView(f"w{i}", Role.PREFILL) for i in range(p)]
+    workers += [WorkerView(f"w{p + i}", Role.DECODE, **kw) for i in range(d)]  # type: ignore[arg-type]
+    return ClusterView(tuple(workers))
+
+
+def flat(
+    prefill_tps: float, seqs: float, kv_per_seq: float = 20_000.0, backlog: float = 0.0
+) -> Forecast:
+    return Forecast(
+        5.0,
+        [prefill_tps] * 12,
+        [seqs] * 12,
+        [seqs * kv_per_seq] * 12,
+        prefill_backlog_tokens=backlog,
+        mean_prefill_tokens=1000.0,
+    )
+
+
+def test_predictive_adds_prefill_when_prefill_demand_dominates() -> None:
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    d = pol.decide(view(1, 15), flat(prefill_tps=150_000, seqs=50), now=0.0)
+    assert d.target.prefill >= 6
+    assert all(s.from_role == Role.DECODE and s.to_role == Role.PREFILL for s in d.switches)
+
+
+def test_predictive_adds_decode_when_kv_would_overflow() -> None:
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    d = pol.decide(view(12, 4), flat(prefill_tps=5_000, seqs=400, kv_per_seq=30_000), now=0.0)
+    assert d.target.decode >= 12
+
+
+def test_predictive_respects_min_counts_and_the_cap_per_decision() -> None:
+    s = AllocationSettings(min_prefill=2, min_decode=3, max_switches_per_decision=2, cooldown_s=0)
+    pol = PredictivePolicy(s, CAP)
+    d = pol.decide(view(8, 8), flat(prefill_tps=0, seqs=500, kv_per_seq=30_000), now=0.0)
+    assert d.target.prefill == 2  # wants zero prefill, but the minimum is two
+    assert len(d.switches) == 2
+    assert pol.clamp(Allocation(16, 0), 16) == Allocation(13, 3)
+    assert pol.clamp(Allocation(0, 16), 16) == Allocation(2, 14)
+
+
+def test_hysteresis_holds_when_the_gain_is_small() -> None:
+    pol = PredictivePolicy(AllocationSettings(hysteresis=0.5, cooldown_s=0), CAP)
+    fc = flat(prefill_tps=30_000, seqs=100)
+    d = pol.decide(view(2, 14), fc, now=0.0)
+    assert d.switches == [] and "hold" in d.reason
+
+
+def test_cooldown_blocks_back_to_back_switches() -> None:
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=30), CAP)
+    first = pol.decide(view(1, 15), flat(prefill_tps=200_000, seqs=20), now=0.0)
+    assert first.switches
+    again = pol.decide(view(1, 15), flat(prefill_tps=200_000, seqs=20), now=10.0)
+    assert again.switches == [] and again.reason.startswith("cooldown")
+    later = pol.decide(view(1, 15), flat(prefill_tps=200_000, seqs=20), now=31.0)
+    assert later.switches
+
+
+def test_plan_never_switches_a_draining_worker_and_prefers_idle_ones() -> None:
+    workers = (
+        WorkerView("busy", Role.DECODE, inflight_decode=30),
+        WorkerView("idle", Role.DECODE),
+        WorkerView("draining", Role.DECODE, draining=True, target_role=Role.PREFILL),
+        WorkerView("p", Role.PREFILL),
+    )
+    v = ClusterView(workers)
+    assert v.allocation == Allocation(2, 2)
+    plan = plan_switches(v, Allocation(3, 1), max_switches=4)
+    assert [s.worker for s in plan] == ["idle"]
+
+
+def test_plan_never_drains_the_last_decode_worker() -> None:
+    v = ClusterView((WorkerView("p", Role.PREFILL), WorkerView("d", Role.DECODE)))
+    assert plan_switches(v, Allocation(2, 0), max_switches=4) == []
+
+
+def test_static_and_colocated_targets() -> None:
+    s = AllocationSettings(static_prefill=3, policy="static")
+    pol = make_policy(s, CAP)
+    assert isinstance(pol, StaticPolicy)
+    assert pol.initial_roles(8).count(Role.PREFILL) == 3
+    col = make_policy(AllocationSettings(policy="colocated"), CAP)
+    assert col.initial_roles(4) == [Role.MIXED] * 4
+    assert (
+        col.decide(
+            ClusterView(tuple(WorkerView(f"w{i}", Role.MIXED) for i in range(4))), None, 0
+        ).switches
+        == []
+    )
+
+
+def test_reactive_moves_one_worker_on_a_threshold() -> None:
+    pol = ReactivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    hot_prefill = view(2, 6, kv_tokens=0.0)
+    hot_prefill = ClusterView(
+        tuple(
+            WorkerView(w.id, w.role, queued_prefill_tokens=100_000 if w.role == Role.PREFILL else 0)
+            for w in hot_prefill.workers
+        )
+    )
+    d = pol.decide(hot_prefill, None, 0.0)
+    assert d.target == Allocation(3, 5) and len(d.switches) == 1
+    hot_decode = view(4, 4, kv_tokens=750_000.0)
+    d = pol.decide(hot_decode, None, 10.0)
+    assert d.target == Allocation(3, 5)
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'magic'"):
+        make_policy(AllocationSettings(policy="magic"), CAP)

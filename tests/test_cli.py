@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from prorsa.cli import app
+
+runner = CliRunner()
+SMALL = ["--gpus", "4", "--trajectories", "24", "--concurrency", "8"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_simulate_writes_the_documented_json(tmp_path: Path, mode: str) -> None:
+    out = tmp_path / "out.json"
+    plot = tmp_path / "out.png"
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--workload",
+            "search",
+            "--mode",
+            mode,
+            "--policy",
+            "all",
+            *SMALL,
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["workload"] == "search" and data["mode"] == mode and data["gpus"] == 4
+    assert set(data["results"]) == {"colocated", "static", "reactive", "predictive", "oracle"}
+    for row in data["results"].values():
+        assert row["throughput_traj_per_min"] > 0
+        assert isinstance(row["p99_completion_s"], float)
+        assert isinstance(row["switches"], int)
+        assert ("makespan_s" in row) == (mode == "sync")
+    assert "forecast_mape_pct" in data["results"]["predictive"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "predictive" in res.output and "speedup" in res.output
+
+
+def test_bad_workload_file_exits_2_with_the_field(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\nfirst_prompt_tokens: {median: 1}\nphases: []\n")
+    res = runner.invoke(app, ["simulate", "--workload", str(f), *SMALL])
+    assert res.exit_code == 2
+    assert "first_prompt_tokens.p99" in res.output
+
+
+def test_unknown_policy_and_mode_are_rejected() -> None:
+    res = runner.invoke(app, ["simulate", "--policy", "magic", *SMALL])
+    assert res.exit_code == 2 and "magic" in res.output
+    res = runner.invoke(app, ["simulate", "--mode", "sometimes", *SMALL])
+    assert res.exit_code == 2

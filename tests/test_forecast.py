@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import pytest
+
+from conftest import turn
+from prorsa.policy.forecast import (
+    EwmaForecaster,
+    Forecast,
+    ForecastScorer,
+    Horizon,
+    LastValueForecaster,
+    LifecycleForecaster,
+    make_forecaster,
+)
+from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
+
+H = Horizon(step_s=5.0, steps=12)
+
+
+def submit(traj: str, ts: float, tokens: int) -> Event:
+    return Event(EventType.TURN_SUBMIT, traj, ts, prompt_tokens=tokens, uncached_tokens=tokens)
+
+
+def test_last_value_is_the_last_intervals_rate() -> None:
+    tab = LifecycleTable()
+    f = LastValueForecaster()
+    f.forecast(tab, 0.0, H)
+    tab.ingest([submit(f"t{i}", 1.0, 1000) for i in range(10)])
+    fc = f.forecast(tab, 5.0, H)
+    assert fc.prefill_tokens_per_s == [2000.0] * 12
+
+
+def test_ewma_smooths_a_spike() -> None:
+    tab = LifecycleTable()
+    f = EwmaForecaster(alpha=0.5)
+    f.forecast(tab, 0.0, H)
+    f.forecast(tab, 5.0, H)  # rate 0
+    tab.ingest([submit(f"t{i}", 6.0, 1000) for i in range(10)])
+    fc = f.forecast(tab, 10.0, H)
+    assert fc.prefill_tokens_per_s[0] == pytest.approx(1000.0)
+
+
+def _teach(tab: LifecycleTable, n: int, out: int, tool_s: float) -> None:
+    """Finished trajectories that teach: outputs of `out` tokens at 10 ms/token, tools of
+    `tool_s` seconds, two turns then the end."""
+    for i in range(n):
+        tid = f"hist{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, 0.0, group=f"hg{i}"))
+        tab.ingest(turn(tid, 0.0, 500, 500, out, decode_s=out * 0.01))
+        t1 = 0.1 + out * 0.01
+        tab.apply(Event(EventType.TOOL_START, tid, t1))
+        tab.apply(Event(EventType.TOOL_END, tid, t1 + tool_s))
+        tab.ingest(turn(tid, t1 + tool_s, 1500, 500, out, decode_s=out * 0.01))
+        tab.apply(Event(EventType.TRAJ_END, tid, t1 + tool_s + 1 + out * 0.01))
+
+
+def test_lifecycle_sees_decodes_finishing() -> None:
+    tab = LifecycleTable()
+    _teach(tab, 200, out=1000, tool_s=20.0)  # decodes last ~10 s, tools 20 s
+    now = 100.0
+    for i in range(100):  # 100 second turns of fresh trajectories, just started decoding
+        tid = f"live{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 1, group=f"lg{i}"))
+        tab.apply(submit(tid, now - 1, 500))
+        tab.apply(Event(EventType.PREFILL_DONE, tid, now, tokens=500, seconds=1.0))
+    fc = LifecycleForecaster("sync").forecast(tab, now, H)
+    last = LastValueForecaster().forecast(tab, now, H)
+    assert last.decode_seqs[-1] == 100  # the naive forecast keeps them decoding
+    assert fc.decode_seqs[0] > 80  # still decoding 5 s from now
+    assert fc.decode_seqs[2] < 20  # gone after ~10 s, in their tools at 15 s...
+    assert max(fc.decode_seqs[6:]) > 80  # ...until the second turns come back (~30 s)
+
+
+def test_lifecycle_uses_tool_hints() -> None:
+    tab = LifecycleTable()
+    _teach(tab, 50, out=100, tool_s=1.0)
+    now = 100.0
+    for i in range(10):
+        tid = f"h{i}"
+        tab.ingest([Event(EventType.TRAJ_START, tid, 50.0), *turn(tid, 50.0, 2000, 2000, 100)])
+        tab.apply(Event(EventType.TOOL_START, tid, now, expected_seconds=22.0))
+    fc = LifecycleForecaster("sync").forecast(tab, now, H)
+    busiest = max(range(12), key=lambda h: fc.prefill_tokens_per_s[h])
+    assert busiest == 4  # 22 s from now is in the step [20, 25)
+
+
+def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
+    tab = LifecycleTable()
+    sync, asy = LifecycleForecaster("sync"), LifecycleForecaster("async")
+    sync.forecast(tab, 0.0, H)
+    asy.forecast(tab, 0.0, H)
+    for i in range(50):
+        tab.apply(Event(EventType.TRAJ_START, f"n{i}", 1.0))
+        tab.apply(submit(f"n{i}", 1.0, 1000))
+        tab.apply(Event(EventType.PREFILL_DONE, f"n{i}", 2.0, tokens=1000, seconds=1.0))
+    # 50 starts in 5 s: async expects ~10 more per second, 1000 tokens each
+    gap = (
+        asy.forecast(tab, 5.0, H).prefill_tokens_per_s[-1]
+        - sync.forecast(tab, 5.0, H).prefill_tokens_per_s[-1]
+    )
+    assert gap >= 0.95 * 3000.0  # EWMA(0.3) of the 10/s start rate, 1000 tokens each
+
+
+def test_unknown_forecaster_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown forecaster 'magic'"):
+        make_forecaster("magic")
+
+
+def test_scorer_weighted_mape() -> None:
+    sc = ForecastScorer(Horizon(step_s=1.0, steps=2))
+    sc.record_actual(0.0, 0, 10)
+    sc.record_forecast(0.0, Forecast(1.0, [100.0, 100.0], [10.0, 10.0], [0.0, 0.0]))
+    sc.record_actual(1.0, 100, 10)  # exactly as forecast
+    sc.record_actual(2.0, 150, 5)  # half the prefill, half the decodes
+    m = sc.mape()
+    assert m["prefill"] == pytest.approx(100 * 50 / 150)
+    assert m["decode"] == pytest.approx(100 * 5 / 15)

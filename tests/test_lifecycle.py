@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import random
+
+from conftest import turn
+from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State, turn_bin
+
+
+def start(traj: str, ts: float, group: str | None = None) -> Event:
+    return Event(EventType.TRAJ_START, traj, ts, group=group)
+
+
+def test_states_follow_a_trajectory_through_turns_and_tools() -> None:
+    tab = LifecycleTable()
+    tab.apply(start("a", 0.0))
+    assert tab.trajs["a"].state == State.WAITING
+    tab.apply(Event(EventType.TURN_SUBMIT, "a", 1.0, prompt_tokens=100, uncached_tokens=100))
+    assert tab.trajs["a"].state == State.PREFILL
+    assert tab.prefill_backlog_tokens == 100
+    tab.apply(Event(EventType.PREFILL_DONE, "a", 1.5, worker="p", tokens=100, seconds=0.5))
+    assert tab.trajs["a"].state == State.DECODE
+    assert tab.prefill_backlog_tokens == 0
+    assert tab.decode_context_tokens == 100
+    tab.apply(Event(EventType.DECODE_DONE, "a", 3.0, worker="d", output_tokens=50, seconds=1.5))
+    assert tab.trajs["a"].state == State.WAITING
+    assert tab.trajs["a"].context_tokens == 150
+    assert tab.decode_context_tokens == 0
+    tab.apply(Event(EventType.TOOL_START, "a", 3.0, expected_seconds=4.0))
+    assert tab.trajs["a"].state == State.TOOL
+    assert tab.trajs["a"].tool_hint == 4.0
+    tab.apply(Event(EventType.TOOL_END, "a", 7.0))
+    assert tab.stats.tool_latency.n == 1
+    tab.apply(Event(EventType.TURN_SUBMIT, "a", 7.0, prompt_tokens=400, uncached_tokens=250))
+    assert tab.trajs["a"].turn == 2
+    assert tab.trajs["a"].mean_tool_output == 250
+    tab.apply(Event(EventType.TRAJ_END, "a", 9.0, reason="done"))
+    assert "a" not in tab.trajs
+    assert tab.count_by_state == [0, 0, 0, 0, 0]
+
+
+def test_duplicates_are_ignored() -> None:
+    tab = LifecycleTable()
+    events = [start("a", 0.0), *turn("a", 1.0, 100, 100, 40)]
+    for ev in events + events:
+        tab.apply(ev)
+    assert tab.duplicates_total == len(events)
+    assert tab.trajs["a"].turn == 1
+    assert tab.submitted_tokens_total == 100
+    assert tab.stats.output_len.n == 1
+
+
+def test_out_of_order_events_never_move_state_backwards() -> None:
+    tab = LifecycleTable()
+    submit, prefill, decode = turn("a", 1.0, 100, 100, 40)
+    for ev in (start("a", 0.0), submit, decode, prefill):  # prefill_done arrives last
+        tab.apply(ev)
+    t = tab.trajs["a"]
+    assert t.state == State.WAITING  # the decode already finished
+    assert tab.late_total == 1
+    assert tab.count_by_state[State.WAITING] == 1
+    assert tab.decode_context_tokens == 0 and tab.prefill_backlog_tokens == 0
+    # a late event still teaches the statistics it carries
+    assert tab.stats.prefill_latency_s.value is not None
+
+
+def test_shuffled_stream_keeps_aggregates_consistent() -> None:
+    rng = random.Random(1)
+    events: list[Event] = []
+    for i in range(200):
+        tid = f"t{i}"
+        t0 = rng.uniform(0, 100)
+        events += [
+            start(tid, t0),
+            *turn(tid, t0 + 1, 500, 500, 30),
+            *turn(tid, t0 + 5, 900, 370, 20),
+        ]
+        if i % 2:
+            events.append(Event(EventType.TRAJ_END, tid, t0 + 9))
+    rng.shuffle(events)
+    tab = LifecycleTable()
+    tab.ingest(events)
+    assert sum(tab.count_by_state) == len(tab.trajs) == 100
+    assert tab.prefill_backlog_tokens == sum(
+        t.pending_tokens for t in tab.trajs.values() if t.state == State.PREFILL
+    )
+    assert tab.decode_context_tokens == sum(
+        t.context_tokens for t in tab.trajs.values() if t.state == State.DECODE
+    )
+
+
+def test_events_after_traj_end_do_not_resurrect_it() -> None:
+    tab = LifecycleTable()
+    tab.apply(start("a", 0.0))
+    tab.apply(Event(EventType.TRAJ_END, "a", 1.0))
+    tab.apply(Event(EventType.TURN_SUBMIT, "a", 0.5, prompt_tokens=10, uncached_tokens=10))
+    assert "a" not in tab.trajs
+    assert tab.late_total == 1
+
+
+def test_silent_trajectories_are_evicted() -> None:
+    tab = LifecycleTable(evict_after_s=60.0)
+    tab.apply(start("old", 0.0))
+    tab.apply(start("new", 100.0))
+    assert tab.evict_idle(now=100.0) == 1
+    assert list(tab.trajs) == ["new"]
+    assert tab.evicted_total == 1
+    assert sum(tab.count_by_state) == 1
+
+
+def test_memory_stays_bounded() -> None:
+    tab = LifecycleTable(max_trajectories=1000, max_ended=500)
+    for i in range(5000):
+        tab.apply(start(f"t{i}", float(i), group=f"g{i}"))
+        tab.apply(Event(EventType.DECODE_DONE, f"t{i}", float(i), output_tokens=5, seconds=0.1))
+        if i % 2:
+            tab.apply(Event(EventType.TRAJ_END, f"t{i}", float(i)))
+    assert len(tab.trajs) <= 1000
+    assert len(tab.ended) <= 500
+    assert len(tab.groups) <= 1000 + 1
+    assert tab.evicted_total > 0
+
+
+def test_group_estimate_moves_toward_the_groups_lengths() -> None:
+    tab = LifecycleTable()
+    for i in range(50):  # background: outputs around 100 tokens
+        tab.apply(start(f"b{i}", 0.0, group="bg"))
+        tab.apply(Event(EventType.DECODE_DONE, f"b{i}", 1.0, output_tokens=100, seconds=1))
+    prior = tab.group_log_mean("unseen")
+    for i in range(6):  # one hard prompt: its samples write 3000 tokens
+        tab.apply(start(f"h{i}", 0.0, group="hard"))
+        tab.apply(Event(EventType.DECODE_DONE, f"h{i}", 1.0, output_tokens=3000, seconds=1))
+    assert tab.group_log_mean("hard") > prior + 2.0
+    assert abs(tab.group_log_mean("unseen") - prior) < 0.5
+
+
+def test_continuation_is_learned_per_turn_depth() -> None:
+    tab = LifecycleTable()
+    for i in range(100):  # every trajectory: exactly two turns
+        tid = f"t{i}"
+        tab.ingest([start(tid, 0.0), *turn(tid, 1.0, 100, 100, 10), *turn(tid, 4.0, 300, 190, 10)])
+        tab.apply(Event(EventType.TRAJ_END, tid, 9.0))
+    assert tab.stats.p_continue_after(1) > 0.9
+    assert tab.stats.p_continue_after(2) < 0.1
+    assert turn_bin(1) != turn_bin(2)

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from prorsa.policy.allocate import AllocationSettings, make_policy
+from prorsa.policy.lifecycle import EventType
+from prorsa.sim.compare import run_policy
+from prorsa.sim.costmodel import preset
+from prorsa.sim.engine import SimConfig, Simulator
+from prorsa.sim.oracle import oracle_forecast
+from prorsa.sim.workload import generate, load_workload
+
+COST = preset("h200")
+
+
+def _sim(
+    workload: str, policy: str, gpus: int = 4, n: int = 48, mode: str = "sync", **cfg: object
+) -> Simulator:
+    spec = load_workload(workload)
+    config = SimConfig(
+        gpus=gpus,
+        mode=mode,
+        trajectories=n,
+        concurrency=16,
+        seed=3,  # type: ignore[arg-type]
+        settings=AllocationSettings(policy=policy, cooldown_s=5.0),
+        **cfg,  # type: ignore[arg-type]
+    ).resolved()
+    sim = Simulator(
+        COST,
+        generate(spec, config.trajectories, 3),
+        config,
+        make_policy(config.settings, COST.role_capacity()),
+    )
+    if policy == "oracle":
+        sim.oracle_forecast = oracle_forecast
+    sim.event_log = []
+    return sim
+
+
+@pytest.mark.parametrize("policy", ["colocated", "static", "reactive", "predictive", "oracle"])
+@pytest.mark.parametrize("workload", ["swe", "shift"])
+def test_every_turn_is_prefilled_and_decoded_exactly_once(workload: str, policy: str) -> None:
+    sim = _sim(workload, policy)
+    violations: list[str] = []
+    tick = sim._on_tick
+
+    def checked_tick() -> None:
+        violations.extend(sim.invariant_violations())
+        tick()
+
+    sim._on_tick = checked_tick  # type: ignore[method-assign]
+    result = sim.run()
+    assert violations == []
+    scripts = [tr.script for tr in sim.trajs]
+    assert result.trajectories == len(scripts)
+    assert result.turns == sum(len(s.turns) for s in scripts)
+    assert result.output_tokens == sum(s.total_output for s in scripts)
+    assert sim.event_log is not None
+    per_type = Counter(ev.type for ev in sim.event_log)
+    turns = sum(len(s.turns) for s in scripts)
+    assert per_type[EventType.TURN_SUBMIT] == turns
+    assert per_type[EventType.PREFILL_DONE] == turns
+    assert per_type[EventType.DECODE_DONE] == turns
+    assert per_type[EventType.TRAJ_END] == len(scripts)
+    # every decode_done reports exactly the scripted output of its turn
+    outs: dict[str, list[int]] = {}
+    for ev in sim.event_log:
+        if ev.type == EventType.DECODE_DONE:
+            outs.setdefault(ev.traj, []).append(ev.output_tokens)
+    for s in scripts:
+        assert outs[s.id] == [t.output_tokens for t in s.turns]
+    # at the end nothing is left anywhere
+    for w in sim.workers:
+        assert not w.pq and w.count == 0 and not w.pending and w.incoming == 0
+    if policy == "colocated":
+        assert result.switches == 0
+
+
+def test_same_seed_same_result_other_seed_other_result() -> None:
+    a = _sim("swe", "predictive").run()
+    b = _sim("swe", "predictive").run()
+    assert (a.makespan_s, a.switches, a.turns) == (b.makespan_s, b.switches, b.turns)
+    spec = load_workload("swe")
+    other = run_policy(COST, spec, SimConfig(gpus=4, trajectories=48, seed=4), "predictive")
+    assert other.makespan_s != a.makespan_s
+
+
+def test_async_mode_keeps_concurrency_bounded_and_reports_throughput() -> None:
+    sim = _sim("search", "predictive", mode="async", n=64)
+    peak = 0
+    tick = sim._on_tick
+
+    def watch() -> None:
+        nonlocal peak
+        peak = max(peak, sim.started - sim.done)
+        tick()
+
+    sim._on_tick = watch  # type: ignore[method-assign]
+    r = sim.run()
+    assert r.trajectories == 64
+    assert peak <= 16
+    assert r.throughput_traj_per_min > 0
+
+
+def test_restart_mode_costs_time_per_switch() -> None:
+    spec = load_workload("shift")
+    cfg = SimConfig(
+        gpus=4, trajectories=48, seed=1, settings=replace(AllocationSettings(), cooldown_s=0)
+    )
+    routing = run_policy(preset("h200", "routing"), spec, cfg, "reactive")
+    restart = run_policy(preset("h200", "restart"), spec, cfg, "reactive")
+    assert routing.switches > 0 and restart.switches > 0
+    assert restart.makespan_s > routing.makespan_s
+
+
+def test_static_split_is_honoured() -> None:
+    sim = _sim("swe", "static", gpus=8)
+    sim.settings = sim.cfg.settings
+    assert sum(1 for w in sim.workers if w.role == "prefill") == 2  # a quarter by default
+
+
+def test_presets_and_bad_names() -> None:
+    for name in ("h200", "h100", "h200-moe-30b", "h100-moe-30b"):
+        cm = preset(name)
+        assert cm.kv_capacity_tokens > 10_000
+        assert cm.prefill_s(1000, 0) > 0 and cm.decode_step_s(8, 50_000) > cm.decode_step_s(8, 0)
+    assert preset("h100").kv_capacity_tokens < preset("h200").kv_capacity_tokens
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("tpu")
+    with pytest.raises(ValueError, match="switch mode"):
+        preset("h200", "teleport")
+
+
+def test_chunked_prefill_slows_the_decodes_it_rides_with() -> None:
+    alone = COST.decode_step_s(16, 200_000)
+    mixed = COST.mixed_step_s(16, 200_000, chunk=2048, chunk_ctx=20_000)
+    assert mixed > 3 * alone
