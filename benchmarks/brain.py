@@ -71,51 +71,59 @@ def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -
             )
 
 
-def _events_for(n_traj: int, n_events: int, rng: random.Random, t0: float) -> list[Event]:
-    """A stream like the router's: turns of in-flight trajectories, tools in between."""
-    out: list[Event] = []
-    phase = [0] * n_traj
-    ts = t0
-    while len(out) < n_events:
-        i = rng.randrange(n_traj)
-        tid = f"t{i}"
-        ts += 0.0005
-        p = phase[i] % 5
-        if p == 0:
-            out.append(
-                Event(EventType.TURN_SUBMIT, tid, ts, prompt_tokens=8000, uncached_tokens=700)
-            )
-        elif p == 1:
-            out.append(
-                Event(EventType.PREFILL_DONE, tid, ts, worker="w1", tokens=700, seconds=0.05)
-            )
-        elif p == 2:
-            out.append(
-                Event(
-                    EventType.DECODE_DONE,
-                    tid,
-                    ts,
-                    worker="w2",
-                    output_tokens=rng.randint(20, 2000),
-                    seconds=rng.uniform(0.5, 20),
+class _RouterStream:
+    """Events like the router's: in-flight trajectories cycling through their turns."""
+
+    def __init__(self, n_traj: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.n = n_traj
+        self.phase = [self.rng.randrange(5) for _ in range(n_traj)]
+        self.ts = 0.0
+
+    def take(self, n_events: int, t0: float) -> list[Event]:
+        rng, out = self.rng, []
+        self.ts = max(self.ts, t0)
+        while len(out) < n_events:
+            i = rng.randrange(self.n)
+            tid = f"t{i}"
+            self.ts += 0.0005
+            ts = self.ts
+            p = self.phase[i] % 5
+            if p == 0:
+                out.append(
+                    Event(EventType.TURN_SUBMIT, tid, ts, prompt_tokens=8000, uncached_tokens=700)
                 )
-            )
-        elif p == 3:
-            out.append(Event(EventType.TOOL_START, tid, ts))
-        else:
-            out.append(Event(EventType.TOOL_END, tid, ts))
-        phase[i] += 1
-    return out
+            elif p == 1:
+                out.append(
+                    Event(EventType.PREFILL_DONE, tid, ts, worker="w1", tokens=700, seconds=0.05)
+                )
+            elif p == 2:
+                out.append(
+                    Event(
+                        EventType.DECODE_DONE,
+                        tid,
+                        ts,
+                        worker="w2",
+                        output_tokens=rng.randint(20, 2000),
+                        seconds=rng.uniform(0.5, 20),
+                    )
+                )
+            elif p == 3:
+                out.append(Event(EventType.TOOL_START, tid, ts))
+            else:
+                out.append(Event(EventType.TOOL_END, tid, ts))
+            self.phase[i] += 1
+        return out
 
 
 def decision_timing(reps: int = 15) -> None:
     """One predictive decision: ingest 10,000 events, forecast, allocate (256 workers)."""
-    rng = random.Random(0)
     tab = LifecycleTable()
     n = 10_000
     for i in range(n):
         tab.apply(Event(EventType.TRAJ_START, f"t{i}", 0.0, group=f"g{i // 8}"))
-    tab.ingest(_events_for(n, 40_000, rng, 0.0))  # warm the statistics
+    stream = _RouterStream(n)
+    tab.ingest(stream.take(40_000, 0.0))  # warm the statistics
     fc = LifecycleForecaster("sync")
     cost = preset("h200")
     pol = make_policy(AllocationSettings(cooldown_s=0), cost.role_capacity())
@@ -128,8 +136,8 @@ def decision_timing(reps: int = 15) -> None:
     t = 100.0
     ingest_ms, forecast_ms, decide_ms, total_ms = [], [], [], []
     for _ in range(reps):
-        batch = _events_for(n, 10_000, rng, t)
-        t = batch[-1].ts + 5.0
+        batch = stream.take(10_000, t)
+        t = batch[-1].ts
         a = time.perf_counter()
         tab.ingest(batch)
         b = time.perf_counter()

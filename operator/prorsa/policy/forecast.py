@@ -112,6 +112,7 @@ class EwmaForecaster(LastValueForecaster):
 
 
 _Z_LO, _Z_HI, _Z_STEP = -4.0, 4.0, 0.125
+_TURN_TABLE = 256  # continuation probabilities looked up per turn index up to this depth
 
 
 class LifecycleForecaster:
@@ -184,17 +185,20 @@ class LifecycleForecaster:
         decoding = 0.0
         kv_now = 0.0
         hindex = hist.index
-        cont_after = st.p_continue_after
+        p_by_turn = [st.p_continue_after(k) for k in range(_TURN_TABLE)]
+        group_mu: dict[str | None, float] = {}
         pop_cont = pop_n = 0.0
         log, exp = math.log, math.exp
         zlen = len(rfac) - 1
         for t in table.trajs.values():
             s = t.state
             if s == State.DECODE:
-                pop_cont += cont_after(t.turn)
+                pop_cont += p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
                 pop_n += 1.0
                 g = (now - t.state_since) / tpot
-                mu = t.decode_logmu
+                mu = group_mu.get(t.group)
+                if mu is None:
+                    mu = group_mu[t.group] = table.group_log_mean(t.group)
                 if g >= 1.0:
                     zi = int(((log(g) - mu) / sigma_w - _Z_LO) / _Z_STEP)
                     total = exp(mu) * rfac[0 if zi < 0 else (zlen if zi > zlen else zi)]
@@ -212,7 +216,7 @@ class LifecycleForecaster:
             else:  # between turns: in a tool call or an inferred gap
                 elapsed = now - t.state_since
                 out = t.mean_tool_output
-                p_next = cont_after(t.turn)
+                p_next = p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
                 tokens = (out if out is not None else mean_tool_out) * p_next
                 pop_cont += p_next
                 pop_n += 1.0

@@ -60,7 +60,22 @@ class State(IntEnum):
     DONE = 4
 
 
-_DUP_MEMORY = 4
+_NO_RECENT: tuple[tuple[float, EventType], ...] = ((-1.0, EventType.TRAJ_START),) * 4  # last 4
+
+
+_SUBMIT, _PREFILL_DONE, _DECODE_DONE = (
+    EventType.TURN_SUBMIT,
+    EventType.PREFILL_DONE,
+    EventType.DECODE_DONE,
+)
+_TOOL_START, _TOOL_END, _TRAJ_END = EventType.TOOL_START, EventType.TOOL_END, EventType.TRAJ_END
+_WAITING, _PREFILL, _DECODE, _TOOL, _DONE = (
+    State.WAITING,
+    State.PREFILL,
+    State.DECODE,
+    State.TOOL,
+    State.DONE,
+)
 
 
 class Trajectory:
@@ -68,7 +83,6 @@ class Trajectory:
         "after_tool",
         "context_tokens",
         "counted_context",
-        "decode_logmu",
         "group",
         "id",
         "last_ts",
@@ -98,8 +112,7 @@ class Trajectory:
         self.tool_hint: float | None = None
         self.uncached_sum = 0
         self.uncached_count = 0
-        self.decode_logmu = 0.0
-        self.recent: tuple[tuple[EventType, float], ...] = ()
+        self.recent: tuple[tuple[float, EventType], ...] = _NO_RECENT
 
     @property
     def mean_tool_output(self) -> float | None:
@@ -127,7 +140,6 @@ class LearnedStats:
     output_resid: LogMoments  # log output minus its group's estimate: within-group spread
     decode_s: Ewma  # decode request seconds (includes KV transfer and queueing)
     decode_tokens: Ewma  # output tokens per decode request
-    prefill_tok_per_s: Ewma
     prefill_latency_s: Ewma  # submit -> prefill done (queueing + compute)
     remote_share: Ewma  # fraction of submitted prefill tokens a prefill pool would take
     continue_count: float = 1.0  # Laplace prior: a turn is followed by another...
@@ -146,7 +158,6 @@ class LearnedStats:
             output_resid=LogMoments(),
             decode_s=Ewma(0.05),
             decode_tokens=Ewma(0.05),
-            prefill_tok_per_s=Ewma(0.05),
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
         )
@@ -219,15 +230,6 @@ class LifecycleTable:
         self.count_by_state = [0, 0, 0, 0, 0]
         self.prefill_backlog_tokens = 0
         self.decode_context_tokens = 0
-        self._handlers = {
-            EventType.TRAJ_START: self._on_traj_start,
-            EventType.TURN_SUBMIT: self._on_turn_submit,
-            EventType.PREFILL_DONE: self._on_prefill_done,
-            EventType.DECODE_DONE: self._on_decode_done,
-            EventType.TOOL_START: self._on_tool_start,
-            EventType.TOOL_END: self._on_tool_end,
-            EventType.TRAJ_END: self._on_traj_end,
-        }
 
     # ---- ingest -----------------------------------------------------------------------
 
@@ -237,25 +239,41 @@ class LifecycleTable:
 
     def apply(self, ev: Event) -> None:
         self.events_total += 1
-        if ev.ts > self.now:
-            self.now = ev.ts
-        if ev.traj in self.ended:
-            self.late_total += 1
-            return
+        ts = ev.ts
+        if ts > self.now:
+            self.now = ts
         t = self.trajs.get(ev.traj)
         if t is None:
-            t = self._create(ev.traj, ev.ts, ev.group)
-        key = (ev.type, ev.ts)
-        if key in t.recent:
+            if ev.traj in self.ended:
+                self.late_total += 1
+                return
+            t = self._create(ev.traj, ts, ev.group)
+        key = (ts, ev.type)  # ts first: most comparisons stop at the float
+        recent = t.recent
+        if key in recent:
             self.duplicates_total += 1
             return
-        t.recent = (*t.recent[1 - _DUP_MEMORY :], key) if t.recent else (key,)
-        late = ev.ts < t.last_ts
+        t.recent = (recent[1], recent[2], recent[3], key)
+        late = ts < t.last_ts
         if late:
             self.late_total += 1
         else:
-            t.last_ts = ev.ts
-        self._handlers[ev.type](t, ev, late)
+            t.last_ts = ts
+        typ = ev.type
+        if typ is _SUBMIT:
+            self._on_turn_submit(t, ev, late)
+        elif typ is _PREFILL_DONE:
+            self._on_prefill_done(t, ev, late)
+        elif typ is _DECODE_DONE:
+            self._on_decode_done(t, ev, late)
+        elif typ is _TOOL_START:
+            self._on_tool_start(t, ev, late)
+        elif typ is _TOOL_END:
+            self._on_tool_end(t, ev, late)
+        elif typ is _TRAJ_END:
+            self._on_traj_end(t, ev, late)
+        else:
+            self._on_traj_start(t, ev, late)
 
     def _create(self, traj_id: str, ts: float, group: str | None) -> Trajectory:
         if len(self.trajs) >= self.max_trajectories:
@@ -273,13 +291,13 @@ class LifecycleTable:
         counts = self.count_by_state
         counts[old] -= 1
         counts[state] += 1
-        if old == State.PREFILL:
+        if old == _PREFILL:
             self.prefill_backlog_tokens -= t.pending_tokens
-        elif old == State.DECODE:
+        elif old == _DECODE:
             self.decode_context_tokens -= t.counted_context
-        if state == State.PREFILL:
+        if state == _PREFILL:
             self.prefill_backlog_tokens += t.pending_tokens
-        elif state == State.DECODE:
+        elif state == _DECODE:
             t.counted_context = t.context_tokens
             self.decode_context_tokens += t.counted_context
         t.state = state
@@ -306,9 +324,9 @@ class LifecycleTable:
             self.stats.tool_output_tokens.add(ev.uncached_tokens)
             t.uncached_sum += ev.uncached_tokens
             t.uncached_count += 1
-            if t.state in (State.WAITING, State.TOOL) and not late:
+            if (t.state == _WAITING or t.state == _TOOL) and not late:
                 self.stats.learn_continuation(t.turn, True)
-                if t.state == State.WAITING and not t.after_tool:  # an inferred tool gap
+                if t.state == _WAITING and not t.after_tool:  # an inferred tool gap
                     self.stats.tool_latency.add(ev.ts - t.state_since)
         t.turn += 1
         if late:
@@ -316,24 +334,21 @@ class LifecycleTable:
         t.after_tool = False
         t.context_tokens = max(t.context_tokens, ev.prompt_tokens)
         t.tool_hint = None
-        if t.state == State.PREFILL:  # previous turn's prefill_done was lost
+        if t.state == _PREFILL:  # previous turn's prefill_done was lost
             self.prefill_backlog_tokens -= t.pending_tokens
             t.pending_tokens = ev.uncached_tokens
             self.prefill_backlog_tokens += t.pending_tokens
             t.state_since = ev.ts
         else:
             t.pending_tokens = ev.uncached_tokens
-            self._set_state(t, State.PREFILL, ev.ts)
+            self._set_state(t, _PREFILL, ev.ts)
 
     def _on_prefill_done(self, t: Trajectory, ev: Event, late: bool) -> None:
-        if ev.seconds > 0 and ev.tokens > 0:
-            self.stats.prefill_tok_per_s.add(ev.tokens / ev.seconds)
         if ev.seconds >= 0:
             self.stats.prefill_latency_s.add(ev.seconds)
-        if late or t.state not in (State.PREFILL, State.WAITING):
+        if late or t.state not in (_PREFILL, _WAITING):
             return
-        t.decode_logmu = self.group_log_mean(t.group)
-        self._set_state(t, State.DECODE, ev.ts)
+        self._set_state(t, _DECODE, ev.ts)
 
     def _on_decode_done(self, t: Trajectory, ev: Event, late: bool) -> None:
         if ev.output_tokens > 0:
@@ -345,25 +360,25 @@ class LifecycleTable:
             return
         # The next turn's prompt contains this output.
         t.context_tokens += ev.output_tokens
-        if t.state in (State.DECODE, State.PREFILL):
-            self._set_state(t, State.WAITING, ev.ts)
+        if t.state == _DECODE or t.state == _PREFILL:
+            self._set_state(t, _WAITING, ev.ts)
 
     def _on_tool_start(self, t: Trajectory, ev: Event, late: bool) -> None:
-        if late or t.state == State.TOOL:
+        if late or t.state == _TOOL:
             return
         t.tool_hint = ev.expected_seconds
-        self._set_state(t, State.TOOL, ev.ts)
+        self._set_state(t, _TOOL, ev.ts)
 
     def _on_tool_end(self, t: Trajectory, ev: Event, late: bool) -> None:
-        if late or t.state != State.TOOL:
+        if late or t.state != _TOOL:
             return
         self.stats.tool_latency.add(ev.ts - t.state_since)
         t.tool_hint = None
         t.after_tool = True
-        self._set_state(t, State.WAITING, ev.ts)
+        self._set_state(t, _WAITING, ev.ts)
 
     def _on_traj_end(self, t: Trajectory, ev: Event, late: bool) -> None:
-        if t.state in (State.WAITING, State.TOOL):
+        if t.state == _WAITING or t.state == _TOOL:
             self.stats.learn_continuation(t.turn, False)
         self._remove(t)
         self.ended_total += 1
@@ -372,19 +387,18 @@ class LifecycleTable:
             self.ended.popitem(last=False)
 
     def _remove(self, t: Trajectory) -> None:
-        self._set_state(t, State.DONE, t.last_ts)
-        self.count_by_state[State.DONE] -= 1
+        self._set_state(t, _DONE, t.last_ts)
+        self.count_by_state[_DONE] -= 1
         del self.trajs[t.id]
 
     # ---- learned statistics -------------------------------------------------------------
 
     def _learn_output(self, t: Trajectory, output_tokens: int) -> None:
         st = self.stats
-        est = self.group_log_mean(t.group)
-        y = math.log(max(output_tokens, 1))
+        y = math.log(output_tokens) if output_tokens > 1 else 0.0
         if st.output_len.n > 0:
-            st.output_resid.add(math.exp(y - est))
-        st.output_len.add(output_tokens)
+            st.output_resid.add_log(y - self.group_log_mean(t.group))
+        st.output_len.add_log(y)
         if t.group is not None:
             g = self.groups.get(t.group)
             if g is None:

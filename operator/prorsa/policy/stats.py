@@ -36,12 +36,14 @@ class LogMoments:
     mean: float = 0.0
     m2: float = 0.0
 
-    def add(self, x: float, weight: float = 1.0) -> None:
-        y = math.log(max(x, 1e-9))
-        self.n += weight
+    def add(self, x: float) -> None:
+        self.add_log(math.log(max(x, 1e-9)))
+
+    def add_log(self, y: float) -> None:
+        self.n += 1.0
         delta = y - self.mean
-        self.mean += weight * delta / self.n
-        self.m2 += weight * delta * (y - self.mean)
+        self.mean += delta / self.n
+        self.m2 += delta * (y - self.mean)
 
     @property
     def var(self) -> float:
@@ -113,7 +115,7 @@ class LogHistogram:
         scale = min(self.n, 1.0 / (1.0 - self.decay)) / self.total if self.decay < 1 else 1.0
         done = [c * scale for c in self.counts]
         cens = censored or [0.0] * self.bins
-        at_risk = sum(done) + sum(cens)
+        at_risk = sum(done, 0.0) + sum(cens, 0.0)
         out: list[float] = []
         s = 1.0
         for i in range(self.bins):
