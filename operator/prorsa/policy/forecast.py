@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from prorsa.policy.lifecycle import LifecycleTable, State
-from prorsa.policy.stats import normal_cdf
+from prorsa.policy.stats import LogHistogram
 
 RolloutMode = Literal["sync", "async"]
 
@@ -111,7 +111,6 @@ class EwmaForecaster(LastValueForecaster):
         return Forecast.flat(horizon, self._rate, self._seqs, self._kv, **_common(table))
 
 
-_Z_LO, _Z_HI, _Z_STEP = -4.0, 4.0, 0.125
 _TURN_TABLE = 256  # continuation probabilities looked up per turn index up to this depth
 
 
@@ -151,27 +150,12 @@ class LifecycleForecaster:
         mean_tool_out = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
         first_prompt = st.first_prompt_tokens.get(512.0)
         prefill_lag = st.prefill_latency_s.get(0.0)
-        sigma_w = max(st.output_resid.std, 0.05) if st.output_resid.n > 2 else 1.0
         mu_all = st.output_len.mean if st.output_len.n > 0 else math.log(256.0)
-        sigma_all = max(st.output_len.std, 0.05) if st.output_len.n > 2 else 1.0
-        rfac = _remaining_factor_table(sigma_w)
         surv: list[float] | None = None  # set after the pass below (needs censored counts)
 
         def tool_returns(elapsed: float) -> list[float]:
             """P(return in fine bin m | the call has lasted `elapsed`)."""
-            out = [0.0] * m_bins
-            s0 = hist.survival(elapsed, surv) if surv is not None else 0.0
-            if surv is not None and s0 > 1e-4:
-                prev = 1.0
-                for m in range(m_bins):
-                    cur = hist.survival(elapsed + (m + 1) * f, surv) / s0
-                    out[m] = max(prev - cur, 0.0)
-                    prev = cur
-            else:  # beyond anything seen (or nothing seen yet): memoryless, mean ~ elapsed
-                mean = max(elapsed, dt)
-                for m in range(m_bins):
-                    out[m] = math.exp(-m * f / mean) - math.exp(-(m + 1) * f / mean)
-            return out
+            return _returns(hist, surv, elapsed, f, m_bins, dt)
 
         # ---- current state, one pass over the trajectories ----------------------------------
         nb = hist.bins
@@ -186,28 +170,32 @@ class LifecycleForecaster:
         kv_now = 0.0
         hindex = hist.index
         p_by_turn = [st.p_continue_after(k) for k in range(_TURN_TABLE)]
-        group_mu: dict[str | None, float] = {}
+        recompute = st.recompute_share.get(0.0)
+        ctx_sum = ctx_n = 0.0
+        group_gf: dict[str | None, float] = {}
+        dhist = st.decode_duration
+        dindex = dhist.index
+        dec_cells = [0.0] * (3 * dhist.bins)  # decoding now, by (group length class, elapsed bin)
+        in_decode = [0.0] * dhist.bins
         pop_cont = pop_n = 0.0
-        log, exp = math.log, math.exp
-        zlen = len(rfac) - 1
+        exp = math.exp
         for t in table.trajs.values():
             s = t.state
             if s == State.DECODE:
                 pop_cont += p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
                 pop_n += 1.0
-                g = (now - t.state_since) / tpot
-                mu = group_mu.get(t.group)
-                if mu is None:
-                    mu = group_mu[t.group] = table.group_log_mean(t.group)
-                if g >= 1.0:
-                    zi = int(((log(g) - mu) / sigma_w - _Z_LO) / _Z_STEP)
-                    total = exp(mu) * rfac[0 if zi < 0 else (zlen if zi > zlen else zi)]
-                else:
-                    total, g = exp(mu) * rfac[0], 0.0
-                k = int((total - g if total > g else 1.0) * tpot / f)
-                leave[k if k < m_bins else m_bins] += 1.0
+                elapsed = now - t.state_since
+                gf = group_gf.get(t.group)
+                if gf is None:
+                    gf = group_gf[t.group] = table.group_factor(t.group)
+                gb = 0 if gf < 0.7 else (1 if gf < 1.4 else 2)
+                b = dindex(elapsed / _GF_REP[gb]) if elapsed > 0 else 0
+                dec_cells[gb * nb + b] += 1.0
+                in_decode[b] += 1.0
                 decoding += 1.0
-                kv_now += t.context_tokens + g
+                kv_now += t.context_tokens + elapsed / tpot
+                ctx_sum += t.context_tokens
+                ctx_n += 1.0
             elif s == State.PREFILL:
                 prefilling += 1.0
             elif t.turn == 0:  # started, first turn not submitted yet
@@ -217,7 +205,10 @@ class LifecycleForecaster:
                 elapsed = now - t.state_since
                 out = t.mean_tool_output
                 p_next = p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
-                tokens = (out if out is not None else mean_tool_out) * p_next
+                ctx = t.context_tokens
+                ctx_sum += ctx
+                ctx_n += 1.0
+                tokens = ((out if out is not None else mean_tool_out) + recompute * ctx) * p_next
                 pop_cont += p_next
                 pop_n += 1.0
                 hint = t.tool_hint
@@ -231,12 +222,23 @@ class LifecycleForecaster:
                 bin_tokens[b] += tokens
                 bin_count[b] += p_next
                 in_tool[b] += 1.0
+        if dhist.total > 0:
+            dsurv = dhist.survival_table(in_decode)
+            for cell, count in enumerate(dec_cells):
+                if count:
+                    gb, b = divmod(cell, dhist.bins)
+                    probs = _returns(dhist, dsurv, _bin_mid(dhist, b), f / _GF_REP[gb], m_bins, dt)
+                    for m in range(m_bins):
+                        leave[m] += count * probs[m]
+                    leave[m_bins] += count * max(0.0, 1.0 - sum(probs))
+        elif decoding:  # nothing finished yet: assume they leave within the horizon, evenly
+            for m in range(m_bins):
+                leave[m] += decoding / m_bins
         if hist.total > 0:
             surv = hist.survival_table(in_tool)
         for b in range(nb):
             if bin_count[b]:
-                e = hist.lo * 0.5 if b == 0 else hist.edge(b - 1) * math.sqrt(hist.ratio)
-                probs = tool_returns(e)
+                probs = tool_returns(_bin_mid(hist, b))
                 ct, tk = bin_count[b], bin_tokens[b]
                 for m in range(m_bins):
                     submit_count[m] += ct * probs[m]
@@ -250,18 +252,23 @@ class LifecycleForecaster:
         # ---- the chain: submit -> (prefill lag) -> decode -> tool -> submit ... -------------
         # Continuation in the chain: the current population's average at its turn depth.
         p_cont = pop_cont / pop_n if pop_n else p_cont
+        # A returning trajectory's prefill: its tool output plus the evicted share of its context.
+        chain_tokens = mean_tool_out + recompute * (ctx_sum / ctx_n if ctx_n else 0.0)
         lag = int(prefill_lag / f)
         spread = max(1, 2 * lag + 1)
         entries = [0.0] * m_bins
         for m in range(min(spread, m_bins)):
             entries[m] += prefilling / spread
-        d_exit = [0.0] * m_bins  # P(a decode lasts k fine bins)
-        prev = 1.0
-        for k in range(m_bins):
-            x = (k + 1) * f / tpot
-            cur = 1.0 - normal_cdf((log(x) - mu_all) / sigma_all)
-            d_exit[k] = prev - cur
-            prev = cur
+        # P(a new decode lasts k fine bins): the learned duration distribution (average group)
+        d_exit = _returns(
+            dhist,
+            dhist.survival_table() if dhist.total > 0 else None,
+            0.0,
+            f,
+            m_bins,
+            dt,
+            fallback_mean=max(tpot * exp(mu_all), f),
+        )
         k0 = tool_returns(0.0)
         exits = leave[:m_bins]
         seqs_fine = [0.0] * m_bins
@@ -282,7 +289,7 @@ class LifecycleForecaster:
                     w = back * k0[r]
                     j = m + 1 if r == 0 and lag == 0 and m + 1 < m_bins else m + r
                     submit_count[j] += w
-                    submit_tokens[m + r] += w * mean_tool_out
+                    submit_tokens[m + r] += w * chain_tokens
 
         prefill = [sum(submit_tokens[h * sub : (h + 1) * sub]) / dt for h in range(n)]
         seqs = [seqs_fine[(h + 1) * sub - 1] for h in range(n)]
@@ -298,14 +305,35 @@ class LifecycleForecaster:
         return self._arrival_rate
 
 
-def _remaining_factor_table(sigma: float) -> list[float]:
-    """E[L | L > g] / exp(mu) for log-normal L, indexed by z = (ln g - mu) / sigma."""
-    out = []
-    z = _Z_LO
-    while z <= _Z_HI + 1e-9:
-        tail = max(normal_cdf(-z), 1e-12)
-        out.append(math.exp(sigma * sigma / 2.0) * normal_cdf(sigma - z) / tail)
-        z += _Z_STEP
+_GF_REP = (0.5, 1.0, 2.0)  # representative length factor of short / average / long groups
+
+
+def _bin_mid(hist: LogHistogram, b: int) -> float:
+    return hist.lo * 0.5 if b == 0 else hist.edge(b - 1) * math.sqrt(hist.ratio)
+
+
+def _returns(
+    hist: LogHistogram,
+    surv: list[float] | None,
+    elapsed: float,
+    f: float,
+    m_bins: int,
+    dt: float,
+    fallback_mean: float = 0.0,
+) -> list[float]:
+    """P(the duration ends in fine bin m of width `f` | it has lasted `elapsed`)."""
+    out = [0.0] * m_bins
+    s0 = hist.survival(elapsed, surv) if surv is not None else 0.0
+    if surv is not None and s0 > 1e-4:
+        prev = 1.0
+        for m in range(m_bins):
+            cur = hist.survival(elapsed + (m + 1) * f, surv) / s0
+            out[m] = max(prev - cur, 0.0)
+            prev = cur
+    else:  # beyond anything seen (or nothing seen yet): memoryless
+        mean = max(elapsed, fallback_mean, dt)
+        for m in range(m_bins):
+            out[m] = math.exp(-m * f / mean) - math.exp(-(m + 1) * f / mean)
     return out
 
 

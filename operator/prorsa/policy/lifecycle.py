@@ -92,9 +92,8 @@ class Trajectory:
         "state",
         "state_since",
         "tool_hint",
+        "tool_out_est",
         "turn",
-        "uncached_count",
-        "uncached_sum",
     )
 
     def __init__(self, traj_id: str, ts: float, group: str | None) -> None:
@@ -110,13 +109,12 @@ class Trajectory:
         self.state_since = ts
         self.last_ts = ts
         self.tool_hint: float | None = None
-        self.uncached_sum = 0
-        self.uncached_count = 0
+        self.tool_out_est = -1.0  # recency-weighted tokens its turns append (-1: none yet)
         self.recent: tuple[tuple[float, EventType], ...] = _NO_RECENT
 
     @property
     def mean_tool_output(self) -> float | None:
-        return self.uncached_sum / self.uncached_count if self.uncached_count else None
+        return self.tool_out_est if self.tool_out_est >= 0 else None
 
 
 class GroupStats:
@@ -134,14 +132,18 @@ class LearnedStats:
     """Distributions learned online from completed work."""
 
     tool_latency: LogHistogram
-    tool_output_tokens: Ewma
+    tool_output_tokens: Ewma  # tokens a turn appends after the first (tool output)
     first_prompt_tokens: Ewma
     output_len: LogMoments  # log output tokens per turn, all trajectories
     output_resid: LogMoments  # log output minus its group's estimate: within-group spread
     decode_s: Ewma  # decode request seconds (includes KV transfer and queueing)
+    # decode durations divided by their GRPO group's length factor: a long-tailed, queue-aware
+    # distribution, shared by all groups, that each group stretches or shrinks
+    decode_duration: LogHistogram
     decode_tokens: Ewma  # output tokens per decode request
     prefill_latency_s: Ewma  # submit -> prefill done (queueing + compute)
     remote_share: Ewma  # fraction of submitted prefill tokens a prefill pool would take
+    recompute_share: Ewma  # fraction of a returning trajectory's context recomputed (evicted)
     continue_count: float = 1.0  # Laplace prior: a turn is followed by another...
     stop_count: float = 1.0  # ...or by traj_end
     # The same, per turn index (log-spaced bins): agents stop more often at some depths.
@@ -157,9 +159,11 @@ class LearnedStats:
             output_len=LogMoments(),
             output_resid=LogMoments(),
             decode_s=Ewma(0.05),
+            decode_duration=LogHistogram(),
             decode_tokens=Ewma(0.05),
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
+            recompute_share=Ewma(0.02),
         )
 
     def tpot(self, default: float = 0.02) -> float:
@@ -320,10 +324,17 @@ class LifecycleTable:
             )
         if t.turn == 0:
             self.stats.first_prompt_tokens.add(ev.prompt_tokens)
-        else:
-            self.stats.tool_output_tokens.add(ev.uncached_tokens)
-            t.uncached_sum += ev.uncached_tokens
-            t.uncached_count += 1
+        elif not late:
+            # What the turn appended (the tool's output) vs what its prefill must compute:
+            # the excess is context the serving worker had evicted, recomputed.
+            new = max(ev.prompt_tokens - t.context_tokens, 0)
+            self.stats.tool_output_tokens.add(new)
+            if t.context_tokens > 0:
+                extra = max(ev.uncached_tokens - new, 0)
+                self.stats.recompute_share.add(min(extra / t.context_tokens, 1.0))
+            # recency-weighted: an agent's observations change size as its task moves on
+            est = t.tool_out_est
+            t.tool_out_est = float(new) if est < 0 else est + 0.4 * (new - est)
             if (t.state == _WAITING or t.state == _TOOL) and not late:
                 self.stats.learn_continuation(t.turn, True)
                 if t.state == _WAITING and not t.after_tool:  # an inferred tool gap
@@ -352,6 +363,8 @@ class LifecycleTable:
 
     def _on_decode_done(self, t: Trajectory, ev: Event, late: bool) -> None:
         if ev.output_tokens > 0:
+            if ev.seconds > 0:
+                self.stats.decode_duration.add(ev.seconds / self.group_factor(t.group))
             self._learn_output(t, ev.output_tokens)
             if ev.seconds > 0:
                 self.stats.decode_s.add(ev.seconds)
@@ -407,6 +420,12 @@ class LifecycleTable:
                     self.groups.popitem(last=False)
             g.n += 1
             g.log_sum += y
+
+    def group_factor(self, group: str | None) -> float:
+        """How much longer than average this group's outputs run (1.0: average)."""
+        if self.stats.output_len.n <= 0:
+            return 1.0
+        return math.exp(self.group_log_mean(group) - self.stats.output_len.mean)
 
     def group_log_mean(self, group: str | None) -> float:
         """Shrunk estimate of log output tokens for one turn of a trajectory in `group`."""

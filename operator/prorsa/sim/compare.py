@@ -49,8 +49,9 @@ def run_policy(
 
 
 def static_splits(gpus: int) -> list[int]:
-    """Prefill-worker counts a user might try: eighths of the cluster, at least one each."""
-    return sorted({min(max(1, round(gpus * k / 8)), gpus - 1) for k in range(1, 8)})
+    """Prefill-worker counts a user might try: one, two, then eighths of the cluster."""
+    eighths = {min(max(1, round(gpus * k / 8)), gpus - 1) for k in range(1, 8)}
+    return sorted({1, min(2, gpus - 1)} | eighths)
 
 
 def score(r: SimResult) -> float:

@@ -53,7 +53,7 @@ _REFRESH_S = 5.0  # re-evaluate a decode segment at least this often (its KV kee
 class SimConfig:
     gpus: int
     mode: Mode = "sync"
-    trajectories: int = 0  # 0: `per_gpu` per GPU (sync) or 4x the concurrency (async)
+    trajectories: int = 0  # 0: `per_gpu` per GPU (sync) or 2x the concurrency (async)
     concurrency: int = 0  # async: trajectories in flight (0: `per_gpu` per GPU)
     per_gpu: int = 16  # the workload's typical batch per GPU
     seed: int = 0
@@ -73,7 +73,7 @@ class SimConfig:
         if self.gpus < 2:
             raise ValueError("the simulator needs at least 2 GPUs (one per role)")
         conc = self.concurrency or self.per_gpu * self.gpus
-        n = self.trajectories or (self.per_gpu * self.gpus if self.mode == "sync" else 4 * conc)
+        n = self.trajectories or (self.per_gpu * self.gpus if self.mode == "sync" else 2 * conc)
         return replace(self, trajectories=n, concurrency=conc)
 
 
