@@ -10,7 +10,7 @@ def test_histogram_survival_matches_the_samples() -> None:
     rng = random.Random(0)
     dist = Dist(median=2.0, p99=120.0, min=0.1, max=300.0)
     xs = [dist.sample(rng) for _ in range(20000)]
-    h = LogHistogram(decay=1.0)
+    h = LogHistogram()
     for x in xs:
         h.add(x)
     table = h.survival_table()
@@ -20,24 +20,25 @@ def test_histogram_survival_matches_the_samples() -> None:
 
 
 def test_censored_calls_lengthen_the_tail() -> None:
-    h = LogHistogram(decay=1.0)
+    h = LogHistogram()
     for _ in range(100):
-        h.add(1.0)  # every call seen so far returned after a second...
+        h.add(1.0, now=100.0)  # every call seen so far returned after a second...
     plain = h.survival_table()
     cens = [0.0] * h.bins
     cens[h.index(50.0)] = 100.0  # ...but as many are still running after 50 s
-    with_cens = h.survival_table(cens)
+    with_cens = h.survival_table(cens, now=100.0)
     assert h.survival(2.0, plain) < 0.01
     assert h.survival(2.0, with_cens) > 0.4
 
 
-def test_decay_follows_a_changing_distribution() -> None:
-    h = LogHistogram(decay=0.99)
-    for _ in range(2000):
-        h.add(1.0)
-    for _ in range(2000):
-        h.add(100.0)
+def test_old_samples_fade_with_their_age() -> None:
+    h = LogHistogram(half_life_s=60.0)
+    for i in range(2000):
+        h.add(1.0, now=i * 0.1)  # the first 200 s: one-second calls
+    for i in range(2000):
+        h.add(100.0, now=1000.0 + i * 0.1)  # 13 half-lives later: 100-second calls
     assert h.survival(10.0, h.survival_table()) > 0.95
+    assert h.effective(1200.0) < 2000.0
 
 
 def test_log_moments_and_ewma() -> None:

@@ -170,6 +170,8 @@ class LifecycleForecaster:
         kv_now = 0.0
         hindex = hist.index
         p_by_turn = [st.p_continue_after(k) for k in range(_TURN_TABLE)]
+        out_by_turn = [st.tool_output_after(k) for k in range(_TURN_TABLE)]
+        chain_out = 0.0
         recompute = st.recompute_share.get(0.0)
         ctx_sum = ctx_n = 0.0
         group_gf: dict[str | None, float] = {}
@@ -193,6 +195,7 @@ class LifecycleForecaster:
                 dec_cells[gb * nb + b] += 1.0
                 in_decode[b] += 1.0
                 decoding += 1.0
+                chain_out += out_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
                 kv_now += t.context_tokens + elapsed / tpot
                 ctx_sum += t.context_tokens
                 ctx_n += 1.0
@@ -203,12 +206,15 @@ class LifecycleForecaster:
                 submit_count[0] += 1.0
             else:  # between turns: in a tool call or an inferred gap
                 elapsed = now - t.state_since
-                out = t.mean_tool_output
-                p_next = p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
+                own = t.mean_tool_output
+                depth = t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1
+                p_next = p_by_turn[depth]
+                out = out_by_turn[depth] if own is None else 0.5 * (own + out_by_turn[depth])
                 ctx = t.context_tokens
                 ctx_sum += ctx
                 ctx_n += 1.0
-                tokens = ((out if out is not None else mean_tool_out) + recompute * ctx) * p_next
+                chain_out += out_by_turn[depth]
+                tokens = (out + recompute * ctx) * p_next
                 pop_cont += p_next
                 pop_n += 1.0
                 hint = t.tool_hint
@@ -223,7 +229,7 @@ class LifecycleForecaster:
                 bin_count[b] += p_next
                 in_tool[b] += 1.0
         if dhist.total > 0:
-            dsurv = dhist.survival_table(in_decode)
+            dsurv = dhist.survival_table(in_decode, now)
             for cell, count in enumerate(dec_cells):
                 if count:
                     gb, b = divmod(cell, dhist.bins)
@@ -235,7 +241,7 @@ class LifecycleForecaster:
             for m in range(m_bins):
                 leave[m] += decoding / m_bins
         if hist.total > 0:
-            surv = hist.survival_table(in_tool)
+            surv = hist.survival_table(in_tool, now)
         for b in range(nb):
             if bin_count[b]:
                 probs = tool_returns(_bin_mid(hist, b))
@@ -253,7 +259,9 @@ class LifecycleForecaster:
         # Continuation in the chain: the current population's average at its turn depth.
         p_cont = pop_cont / pop_n if pop_n else p_cont
         # A returning trajectory's prefill: its tool output plus the evicted share of its context.
-        chain_tokens = mean_tool_out + recompute * (ctx_sum / ctx_n if ctx_n else 0.0)
+        chain_tokens = (chain_out / ctx_n if ctx_n else mean_tool_out) + recompute * (
+            ctx_sum / ctx_n if ctx_n else 0.0
+        )
         lag = int(prefill_lag / f)
         spread = max(1, 2 * lag + 1)
         entries = [0.0] * m_bins

@@ -149,6 +149,9 @@ class LearnedStats:
     # The same, per turn index (log-spaced bins): agents stop more often at some depths.
     continue_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     stop_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    # Tool output size per turn depth: agents plan with short observations, then act with long.
+    tool_out_sum_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    tool_out_n_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
 
     @classmethod
     def fresh(cls) -> LearnedStats:
@@ -159,7 +162,7 @@ class LearnedStats:
             output_len=LogMoments(),
             output_resid=LogMoments(),
             decode_s=Ewma(0.05),
-            decode_duration=LogHistogram(),
+            decode_duration=LogHistogram(half_life_s=180.0),
             decode_tokens=Ewma(0.05),
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
@@ -182,6 +185,14 @@ class LearnedStats:
         c, s = self.continue_by_turn[b], self.stop_by_turn[b]
         prior = 4.0
         return (c + prior * self.p_continue) / (c + s + prior)
+
+    def tool_output_after(self, turn: int) -> float:
+        """Expected tokens appended before turn `turn + 1`, shrunk toward the overall mean."""
+        b = turn_bin(turn + 1)
+        prior = 4.0
+        overall = self.tool_output_tokens.get(512.0)
+        n = self.tool_out_n_by_turn[b]
+        return (self.tool_out_sum_by_turn[b] + prior * overall) / (n + prior)
 
     def learn_continuation(self, turn: int, continued: bool) -> None:
         b = turn_bin(turn)
@@ -329,6 +340,9 @@ class LifecycleTable:
             # the excess is context the serving worker had evicted, recomputed.
             new = max(ev.prompt_tokens - t.context_tokens, 0)
             self.stats.tool_output_tokens.add(new)
+            b = turn_bin(t.turn + 1)
+            self.stats.tool_out_sum_by_turn[b] = 0.98 * self.stats.tool_out_sum_by_turn[b] + new
+            self.stats.tool_out_n_by_turn[b] = 0.98 * self.stats.tool_out_n_by_turn[b] + 1.0
             if t.context_tokens > 0:
                 extra = max(ev.uncached_tokens - new, 0)
                 self.stats.recompute_share.add(min(extra / t.context_tokens, 1.0))
@@ -338,7 +352,7 @@ class LifecycleTable:
             if (t.state == _WAITING or t.state == _TOOL) and not late:
                 self.stats.learn_continuation(t.turn, True)
                 if t.state == _WAITING and not t.after_tool:  # an inferred tool gap
-                    self.stats.tool_latency.add(ev.ts - t.state_since)
+                    self.stats.tool_latency.add(ev.ts - t.state_since, ev.ts)
         t.turn += 1
         if late:
             return
@@ -364,7 +378,7 @@ class LifecycleTable:
     def _on_decode_done(self, t: Trajectory, ev: Event, late: bool) -> None:
         if ev.output_tokens > 0:
             if ev.seconds > 0:
-                self.stats.decode_duration.add(ev.seconds / self.group_factor(t.group))
+                self.stats.decode_duration.add(ev.seconds / self.group_factor(t.group), ev.ts)
             self._learn_output(t, ev.output_tokens)
             if ev.seconds > 0:
                 self.stats.decode_s.add(ev.seconds)
@@ -385,7 +399,7 @@ class LifecycleTable:
     def _on_tool_end(self, t: Trajectory, ev: Event, late: bool) -> None:
         if late or t.state != _TOOL:
             return
-        self.stats.tool_latency.add(ev.ts - t.state_since)
+        self.stats.tool_latency.add(ev.ts - t.state_since, ev.ts)
         t.tool_hint = None
         t.after_tool = True
         self._set_state(t, _WAITING, ev.ts)

@@ -60,22 +60,24 @@ class LogHistogram:
 
     `survival(t)` interpolates linearly in log-time between bin edges, so the conditional
     probability that a tool call which has run for `e` seconds returns in [e+a, e+b) is cheap
-    to evaluate for every bin of elapsed time at once.
+    to evaluate for every bin of elapsed time at once. Samples fade with `half_life_s` of
+    event time, so the distribution follows a rollout whose tools or queues change.
     """
 
     lo: float = 0.01
     ratio: float = math.sqrt(2.0)
     bins: int = 48
+    half_life_s: float = 600.0
     counts: list[float] = field(default_factory=list)
-    total: float = 0.0
-    decay: float = 0.99995
+    total: float = 0.0  # weighted, in the units of `counts`
 
     def __post_init__(self) -> None:
         if not self.counts:
             self.counts = [0.0] * self.bins
         self._log_lo = math.log(self.lo)
         self._log_ratio = math.log(self.ratio)
-        self._weight = 1.0
+        self._rate = math.log(2.0) / self.half_life_s
+        self._t0 = 0.0  # weights are exp(rate * (t - t0)); t0 moves forward to keep them small
         self.n = 0
 
     def index(self, x: float) -> int:
@@ -88,20 +90,25 @@ class LogHistogram:
         """Upper edge of bin i (bin 0 holds everything below `lo`)."""
         return self.lo * self.ratio**i
 
-    def add(self, x: float) -> None:
-        # A slow decay lets the distribution follow a workload whose tools change over time.
-        # Instead of scaling every bin on each sample, newer samples get a growing weight.
-        self.counts[self.index(x)] += self._weight
-        self.total += self._weight
-        self.n += 1
-        self._weight /= self.decay
-        if self._weight > 1e6:
-            scale = 1.0 / self._weight
+    def add(self, x: float, now: float = 0.0) -> None:
+        # Newer samples get a growing weight instead of scaling every bin on each sample.
+        exponent = self._rate * (now - self._t0)
+        if exponent > 30.0:
+            scale = math.exp(-exponent)
             self.counts = [c * scale for c in self.counts]
             self.total *= scale
-            self._weight = 1.0
+            self._t0 = now
+            exponent = 0.0
+        w = math.exp(exponent)
+        self.counts[self.index(x)] += w
+        self.total += w
+        self.n += 1
 
-    def survival_table(self, censored: list[float] | None = None) -> list[float]:
+    def effective(self, now: float) -> float:
+        """Samples seen, discounted by age: the weight recent evidence carries."""
+        return self.total * math.exp(-self._rate * (now - self._t0))
+
+    def survival_table(self, censored: list[float] | None = None, now: float = 0.0) -> list[float]:
         """S at each upper bin edge: P(X > edge(i)).
 
         `censored[i]` counts durations still running with their elapsed time in bin i (tool
@@ -111,8 +118,7 @@ class LogHistogram:
         """
         if self.total <= 0:
             return [0.0] * self.bins
-        # completed samples in "number of observations" units, comparable with censored
-        scale = min(self.n, 1.0 / (1.0 - self.decay)) / self.total if self.decay < 1 else 1.0
+        scale = math.exp(-self._rate * (now - self._t0)) if censored else 1.0
         done = [c * scale for c in self.counts]
         cens = censored or [0.0] * self.bins
         at_risk = sum(done, 0.0) + sum(cens, 0.0)
