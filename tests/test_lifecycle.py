@@ -107,6 +107,19 @@ def test_silent_trajectories_are_evicted() -> None:
     assert sum(tab.count_by_state) == 1
 
 
+def test_ingest_sweeps_silent_trajectories_by_itself() -> None:
+    tab = LifecycleTable(evict_after_s=100.0)
+    tab.ingest([start("quiet", 0.0), start("busy", 0.0)])
+    for ts in range(10, 300, 10):
+        tab.ingest(
+            [
+                Event(EventType.TOOL_START, "busy", float(ts)),
+                Event(EventType.TOOL_END, "busy", ts + 5.0),
+            ]
+        )
+    assert "quiet" not in tab.trajs and "busy" in tab.trajs
+
+
 def test_memory_stays_bounded() -> None:
     tab = LifecycleTable(max_trajectories=1000, max_ended=500)
     for i in range(5000):

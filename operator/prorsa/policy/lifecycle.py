@@ -135,7 +135,6 @@ class LearnedStats:
     tool_output_tokens: Ewma  # tokens a turn appends after the first (tool output)
     first_prompt_tokens: Ewma
     output_len: LogMoments  # log output tokens per turn, all trajectories
-    output_resid: LogMoments  # log output minus its group's estimate: within-group spread
     decode_s: Ewma  # decode request seconds (includes KV transfer and queueing)
     # decode durations divided by their GRPO group's length factor: a long-tailed, queue-aware
     # distribution, shared by all groups, that each group stretches or shrinks
@@ -160,7 +159,6 @@ class LearnedStats:
             tool_output_tokens=Ewma(0.05),
             first_prompt_tokens=Ewma(0.05),
             output_len=LogMoments(),
-            output_resid=LogMoments(),
             decode_s=Ewma(0.05),
             decode_duration=LogHistogram(half_life_s=180.0),
             decode_tokens=Ewma(0.05),
@@ -233,6 +231,7 @@ class LifecycleTable:
         self.groups: OrderedDict[str, GroupStats] = OrderedDict()
         self.stats = LearnedStats.fresh()
         self.now = 0.0
+        self._last_sweep = 0.0
         # Cumulative counters (forecasters difference them between decisions).
         self.submitted_tokens_total = 0
         self.started_total = 0
@@ -251,6 +250,9 @@ class LifecycleTable:
     def ingest(self, events: list[Event]) -> None:
         for ev in events:
             self.apply(ev)
+        if self.now - self._last_sweep >= self.evict_after_s / 10:
+            self._last_sweep = self.now
+            self.evict_idle(self.now)
 
     def apply(self, ev: Event) -> None:
         self.events_total += 1
@@ -423,8 +425,6 @@ class LifecycleTable:
     def _learn_output(self, t: Trajectory, output_tokens: int) -> None:
         st = self.stats
         y = math.log(output_tokens) if output_tokens > 1 else 0.0
-        if st.output_len.n > 0:
-            st.output_resid.add_log(y - self.group_log_mean(t.group))
         st.output_len.add_log(y)
         if t.group is not None:
             g = self.groups.get(t.group)

@@ -10,10 +10,6 @@ import math
 from dataclasses import dataclass, field
 
 
-def normal_cdf(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
-
-
 @dataclass(slots=True)
 class Ewma:
     """Exponentially weighted mean; `None` until the first sample."""
