@@ -323,7 +323,10 @@ class PredictivePolicy(Policy):
         backlog = fc.prefill_backlog_tokens
         mean_req = max(fc.mean_prefill_tokens, 1.0)
         carry = 0.0
-        lost = 0.0
+        # A switched worker drains: for about one decode's time it takes no new work of
+        # either role, and the sequences it would have served wait elsewhere.
+        per_worker = fc.decode_seqs[0] / max(n, 1) if fc.decode_seqs else 0.0
+        lost = abs(p - cur_p) * per_worker * (fc.mean_decode_s + cap.switch_s)
         for h in range(len(fc.decode_seqs)):
             switching = h < delay
             p_eff = min(p, cur_p) if switching else p

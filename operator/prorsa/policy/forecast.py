@@ -41,6 +41,7 @@ class Forecast:
     mean_prefill_tokens: float = 1.0  # per request: turns a token backlog into waiting requests
     decode_s_per_token: float = 0.02  # observed decode pace (incl. queueing)
     remote_prefill_share: float = 1.0  # of prefill work, the part the prefill pool serves
+    mean_decode_s: float = 1.0  # one decode request, queueing included (a switch drains this)
 
     @classmethod
     def flat(
@@ -64,6 +65,7 @@ def _common(table: LifecycleTable) -> dict[str, float]:
         "mean_prefill_tokens": max(mean_req, 1.0),
         "decode_s_per_token": st.tpot(0.02),
         "remote_prefill_share": st.remote_share.get(1.0),
+        "mean_decode_s": st.decode_s.get(1.0),
     }
 
 

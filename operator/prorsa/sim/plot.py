@@ -21,6 +21,9 @@ def plot_comparison(c: Comparison, path: Path) -> None:
     ax.plot(t, [p.actual_prefill_tps / 1e3 for p in tl], label="submitted", lw=1)
     ax.plot(t, [p.forecast_prefill_tps / 1e3 for p in tl], label="forecast (next step)", lw=1)
     ax.set_ylabel("prefill k tok/s")
+    rates = sorted(p.actual_prefill_tps / 1e3 for p in tl)
+    if rates:  # the opening burst of first prompts would flatten everything else
+        ax.set_ylim(0, 1.3 * rates[int(0.98 * (len(rates) - 1))] + 1e-9)
     ax.legend(loc="upper right")
     ax.set_title(f"{c.workload} · {c.mode} · {c.gpus} GPUs · {shown.label}")
     ax = axes[1]
