@@ -63,7 +63,7 @@ def test_lifecycle_sees_decodes_finishing() -> None:
         tab.apply(Event(EventType.TRAJ_START, tid, now - 1, group=f"lg{i}"))
         tab.apply(submit(tid, now - 1, 500))
         tab.apply(Event(EventType.PREFILL_DONE, tid, now, tokens=500, seconds=1.0))
-    fc = LifecycleForecaster("sync").forecast(tab, now, H)
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
     last = LastValueForecaster().forecast(tab, now, H)
     assert last.decode_seqs[-1] == 100  # the naive forecast keeps them decoding
     assert fc.decode_seqs[0] > 80  # still decoding 5 s from now
@@ -79,14 +79,15 @@ def test_lifecycle_uses_tool_hints() -> None:
         tid = f"h{i}"
         tab.ingest([Event(EventType.TRAJ_START, tid, 50.0), *turn(tid, 50.0, 2000, 2000, 100)])
         tab.apply(Event(EventType.TOOL_START, tid, now, expected_seconds=22.0))
-    fc = LifecycleForecaster("sync").forecast(tab, now, H)
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
     busiest = max(range(12), key=lambda h: fc.prefill_tokens_per_s[h])
     assert busiest == 4  # 22 s from now is in the step [20, 25)
 
 
 def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
     tab = LifecycleTable()
-    sync, asy = LifecycleForecaster("sync"), LifecycleForecaster("async")
+    sync = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0)
+    asy = LifecycleForecaster("async", calibration=0.0, smoothing=0.0)
     sync.forecast(tab, 0.0, H)
     asy.forecast(tab, 0.0, H)
     for i in range(50):
@@ -99,6 +100,20 @@ def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
         - sync.forecast(tab, 5.0, H).prefill_tokens_per_s[-1]
     )
     assert gap >= 0.95 * 3000.0  # EWMA(0.3) of the 10/s start rate, 1000 tokens each
+
+
+def test_calibration_learns_the_error_at_each_lead_time() -> None:
+    fc = LifecycleForecaster("sync", calibration=0.5, smoothing=0.0)
+    tab = LifecycleTable()
+    h2 = Horizon(step_s=5.0, steps=2)
+    fc._calibrate(tab, 0.0, h2, [100.0, 100.0], [10.0, 10.0])
+    tab.submitted_tokens_total = 1000  # 200 tok/s happened where 100 were forecast
+    gain_p, gain_d = fc._calibrate(tab, 5.0, h2, [100.0, 100.0], [10.0, 10.0])
+    assert gain_p == [1.5, 1.0]  # halfway to 2x at lead 0; lead 1 not yet known
+    assert gain_d == [1.0, 1.0]  # nothing decoding: no evidence
+    tab.submitted_tokens_total = 1250  # 50 tok/s in the next step
+    gain_p, _ = fc._calibrate(tab, 10.0, h2, [100.0, 100.0], [10.0, 10.0])
+    assert gain_p[1] == 0.75  # the first forecast's lead-1 step: half the rate
 
 
 def test_unknown_forecaster_is_a_clear_error() -> None:
