@@ -143,12 +143,3 @@ class LogHistogram:
             frac = (math.log(t) - math.log(lower_edge)) / (math.log(hi_edge) - math.log(lower_edge))
         frac = min(max(frac, 0.0), 1.0)
         return lower + (upper - lower) * frac
-
-    def mean(self) -> float:
-        if self.total <= 0:
-            return 0.0
-        acc = 0.0
-        for i, c in enumerate(self.counts):
-            mid = self.lo / 2 if i == 0 else self.edge(i - 1) * math.sqrt(self.ratio)
-            acc += c * mid
-        return acc / self.total

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from prorsa.policy.allocate import AllocationSettings, make_policy
+from prorsa.policy.allocate import make_policy
 from prorsa.sim.costmodel import CostModel
 from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
 from prorsa.sim.oracle import oracle_forecast
@@ -140,13 +140,3 @@ def compare(
         else:
             results[policy] = run_policy(cost, spec, cfg, policy, progress)
     return Comparison(spec.name, cfg.mode, cfg.gpus, preset_name, cfg.seed, results, sweep)
-
-
-def default_settings(**overrides: Any) -> AllocationSettings:
-    return replace(AllocationSettings(), **overrides)
-
-
-def result_dict(r: SimResult) -> dict[str, Any]:
-    d = asdict(r)
-    d.pop("timeline")
-    return d

@@ -38,6 +38,7 @@ from prorsa.policy.forecast import (
     make_forecaster,
 )
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
+from prorsa.policy.placement import PlacementSettings, overloaded, pool_worthy, stays_local
 from prorsa.sim.costmodel import CostModel
 from prorsa.sim.workload import TrajectoryScript
 
@@ -60,13 +61,7 @@ class SimConfig:
     settings: AllocationSettings = field(default_factory=AllocationSettings)
     tool_events: bool = True  # clients send tool_start/tool_end hints through the router
     shadow_forecasters: tuple[str, ...] = ("last", "ewma", "lifecycle")
-    # Conditional disaggregation (as NVIDIA Dynamo does): a turn that appends at most this
-    # many tokens to a context its decode worker already holds is prefilled there, locally,
-    # instead of being recomputed on a prefill worker that lacks the prefix. 0 disables.
-    local_prefill_max_tokens: int = 1024
-    # The router spills pool-worthy prefills to the decode worker while the least-loaded
-    # prefill worker has more than this many seconds of work queued.
-    prefill_spill_s: float = 1.0
+    placement: PlacementSettings = field(default_factory=PlacementSettings)  # router rules
     max_sim_s: float = 7 * 24 * 3600.0
 
     def resolved(self) -> SimConfig:
@@ -392,14 +387,12 @@ class Simulator:
     ) -> tuple[SimWorker, bool, bool]:
         """Where this turn's prefill runs: (worker, local, pool_worthy).
 
-        Colocated: on the trajectory's home worker. Disaggregated (conditional, as NVIDIA
-        Dynamo does): a short append to a context the decode worker already holds stays
-        local; anything else (first turns, long observations, evicted contexts) is
-        "pool-worthy" and goes to the prefill worker with the least queued work plus uncached
-        tokens (prefix affinity) -- unless that worker would recompute far more than the
-        decode worker, which then keeps it. `pool_worthy` is reported whether or not a pool
-        exists, so the allocator learns how much work a prefill pool would take.
+        Colocated: on the trajectory's home worker. Disaggregated: the shared rules of
+        `prorsa.policy.placement`; a pool prefill goes to the prefill worker with the least
+        queued work, or to the one that prefilled this trajectory before if its cached prefix
+        makes it cheaper (prefix affinity).
         """
+        rules = self.cfg.placement
         self._pools()
         home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
         if home is not None and home.role == Role.MIXED and home.accepts(Role.MIXED):
@@ -415,28 +408,23 @@ class Simulator:
                 ):
                     return home, False, False
                 home = moved
-        holds_prefix = (
+        holds = (
             home is not None
             and home.accepts(Role.DECODE)
             and home.cached(tr.idx) >= prompt - new_tokens
         )
-        worthy = not (holds_prefix and new_tokens <= self.cfg.local_prefill_max_tokens)
+        worthy = pool_worthy(rules, holds, new_tokens)
+        local = home if home is not None and home.accepts(Role.DECODE) else None
         pool = [w for w in self._prefill_pool if w.role == Role.PREFILL]
         if not pool or not worthy:
-            if home is not None and home.accepts(Role.DECODE):
-                return home, True, worthy
-            return self._place_decode(tr), True, worthy
+            return local or self._place_decode(tr), True, worthy
         cost = self.cost.prefill_s
 
         def remote_s(w: SimWorker) -> float:
             c = w.cached(tr.idx)
             return w.queue_s + cost(prompt - c, c)
 
-        best = min(pool, key=lambda w: w.queue_s)
-        if best.queue_s > self.cfg.prefill_spill_s:  # the pool is saturated: spill
-            if home is not None and home.accepts(Role.DECODE):
-                return home, True, worthy
-            return self._place_decode(tr), True, worthy
+        shortest = best = min(pool, key=lambda w: w.queue_s)
         if tr.prefill_home >= 0:
             ph = self.workers[tr.prefill_home]
             if (
@@ -445,8 +433,9 @@ class Simulator:
                 and remote_s(ph) <= remote_s(best)
             ):
                 best = ph
-        if holds_prefix and home is not None and prompt - best.cached(tr.idx) > 2 * new_tokens:
-            return home, True, worthy
+        compute = prompt - best.cached(tr.idx)
+        if stays_local(rules, holds, new_tokens, shortest.queue_s, compute):
+            return local or self._place_decode(tr), True, worthy
         tr.prefill_home = best.idx
         return best, False, worthy
 
@@ -468,7 +457,7 @@ class Simulator:
         if len(pool) < 2:
             return None
         avg = sum(w.homed for w in pool) / len(pool)
-        if home.homed <= 1.25 * avg + 2:
+        if not overloaded(self.cfg.placement, home.homed, avg):
             return None
         target = min(pool, key=lambda w: w.homed)
         if target.homed >= avg:
