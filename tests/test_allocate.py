@@ -42,6 +42,7 @@ def flat(
         [seqs * kv_per_seq] * 12,
         prefill_backlog_tokens=backlog,
         mean_prefill_tokens=1000.0,
+        evidence=10_000,
     )
 
 
@@ -132,6 +133,14 @@ def test_reactive_moves_one_worker_on_a_threshold() -> None:
     hot_decode = view(4, 4, kv_tokens=750_000.0)
     d = pol.decide(hot_decode, None, 10.0)
     assert d.target == Allocation(3, 5)
+
+
+def test_predictive_holds_until_it_has_seen_enough() -> None:
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0, min_evidence=100), CAP)
+    young = flat(prefill_tps=150_000, seqs=50)
+    young.evidence = 10
+    d = pol.decide(view(1, 15), young, now=0.0)
+    assert d.switches == [] and d.reason.startswith("learning")
 
 
 def test_unknown_policy_is_a_clear_error() -> None:

@@ -37,6 +37,7 @@ class AllocationSettings:
     cooldown_s: float = 10.0
     hysteresis: float = 0.01  # predictive: switch only for this relative gain
     max_switches_per_decision: int = 4
+    min_evidence: int = 200  # predictive: completed decodes to see before trusting a forecast
     # reactive thresholds (Dynamo-style load planner)
     reactive_prefill_wait_up_s: float = 1.0
     reactive_prefill_wait_down_s: float = 0.2
@@ -287,6 +288,9 @@ class PredictivePolicy(Policy):
         n = len(view.workers)
         if forecast is None or cur.mixed:
             return cur, "no forecast yet: hold"
+        if forecast.evidence < self.settings.min_evidence:
+            seen = f"{forecast.evidence:.0f}/{self.settings.min_evidence}"
+            return cur, f"learning ({seen} decodes seen): hold"
         lo = min(self.settings.min_prefill, n - 1)
         hi = n - min(self.settings.min_decode, n - lo)
         cur_cost = self.cost(forecast, cur.prefill, cur.prefill, n)

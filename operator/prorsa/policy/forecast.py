@@ -42,6 +42,7 @@ class Forecast:
     decode_s_per_token: float = 0.02  # observed decode pace (incl. queueing)
     remote_prefill_share: float = 1.0  # of prefill work, the part the prefill pool serves
     mean_decode_s: float = 1.0  # one decode request, queueing included (a switch drains this)
+    evidence: float = 0.0  # completed decodes the statistics behind this forecast have seen
 
     @classmethod
     def flat(
@@ -66,6 +67,7 @@ def _common(table: LifecycleTable) -> dict[str, float]:
         "decode_s_per_token": st.tpot(0.02),
         "remote_prefill_share": st.remote_share.get(1.0),
         "mean_decode_s": st.decode_s.get(1.0),
+        "evidence": float(st.decode_duration.n),
     }
 
 
