@@ -63,12 +63,6 @@ class State(IntEnum):
 _NO_RECENT: tuple[tuple[float, EventType], ...] = ((-1.0, EventType.TRAJ_START),) * 4  # last 4
 
 
-_SUBMIT, _PREFILL_DONE, _DECODE_DONE = (
-    EventType.TURN_SUBMIT,
-    EventType.PREFILL_DONE,
-    EventType.DECODE_DONE,
-)
-_TOOL_START, _TOOL_END, _TRAJ_END = EventType.TOOL_START, EventType.TOOL_END, EventType.TRAJ_END
 _WAITING, _PREFILL, _DECODE, _TOOL, _DONE = (
     State.WAITING,
     State.PREFILL,
@@ -242,6 +236,15 @@ class LifecycleTable:
         self.evicted_total = 0
         # Current occupancy by state.
         self.count_by_state = [0, 0, 0, 0, 0]
+        self._handlers = {
+            EventType.TRAJ_START: self._on_traj_start,
+            EventType.TURN_SUBMIT: self._on_turn_submit,
+            EventType.PREFILL_DONE: self._on_prefill_done,
+            EventType.DECODE_DONE: self._on_decode_done,
+            EventType.TOOL_START: self._on_tool_start,
+            EventType.TOOL_END: self._on_tool_end,
+            EventType.TRAJ_END: self._on_traj_end,
+        }
         self.prefill_backlog_tokens = 0
         self.decode_context_tokens = 0
 
@@ -276,21 +279,7 @@ class LifecycleTable:
             self.late_total += 1
         else:
             t.last_ts = ts
-        typ = ev.type
-        if typ is _SUBMIT:
-            self._on_turn_submit(t, ev, late)
-        elif typ is _PREFILL_DONE:
-            self._on_prefill_done(t, ev, late)
-        elif typ is _DECODE_DONE:
-            self._on_decode_done(t, ev, late)
-        elif typ is _TOOL_START:
-            self._on_tool_start(t, ev, late)
-        elif typ is _TOOL_END:
-            self._on_tool_end(t, ev, late)
-        elif typ is _TRAJ_END:
-            self._on_traj_end(t, ev, late)
-        else:
-            self._on_traj_start(t, ev, late)
+        self._handlers[ev.type](t, ev, late)
 
     def _create(self, traj_id: str, ts: float, group: str | None) -> Trajectory:
         if len(self.trajs) >= self.max_trajectories:
@@ -351,7 +340,7 @@ class LifecycleTable:
             # recency-weighted: an agent's observations change size as its task moves on
             est = t.tool_out_est
             t.tool_out_est = float(new) if est < 0 else est + 0.4 * (new - est)
-            if (t.state == _WAITING or t.state == _TOOL) and not late:
+            if t.state == _WAITING or t.state == _TOOL:
                 self.stats.learn_continuation(t.turn, True)
                 if t.state == _WAITING and not t.after_tool:  # an inferred tool gap
                     self.stats.tool_latency.add(ev.ts - t.state_since, ev.ts)

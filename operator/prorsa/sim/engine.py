@@ -214,6 +214,7 @@ class Simulator:
         kv_cap = cost.kv_capacity_tokens
         roles = self.policy.initial_roles(self.cfg.gpus)
         self.workers = [SimWorker(i, r, kv_cap) for i, r in enumerate(roles)]
+        self._by_id = {w.id: w for w in self.workers}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -616,7 +617,7 @@ class Simulator:
 
     def _apply(self, decision: Decision) -> None:
         for sw in decision.switches:
-            w = self.workers[int(sw.worker[1:])]
+            w = self._by_id[sw.worker]
             if w.draining or w.role != sw.from_role:
                 continue
             w.draining = True
