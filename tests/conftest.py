@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prorsa.local.redis_server import RedisServer
 from prorsa.policy.lifecycle import Event, EventType
 
 
@@ -21,3 +28,25 @@ def turn(
             seconds=decode_s,
         ),
     ]
+
+
+# ---- a real Redis server for the adapter tests --------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (scripts/setup.sh installs it)")
+    with RedisServer(Path(tmp_path_factory.mktemp("redis"))) as r:
+        yield r
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """A clean database per test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    yield redis_server.url

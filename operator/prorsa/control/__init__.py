@@ -1,0 +1,1 @@
+"""The controller: lifecycle events in, role switches out, over a `Cluster` port."""

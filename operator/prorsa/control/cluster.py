@@ -1,0 +1,50 @@
+"""The `Cluster` port: everything the controller needs from where the workers run.
+
+Adapters implement it for Kubernetes (labels and annotations on pods) and for one machine (the
+local registry). All switch state lives on the workers themselves, so any controller instance
+can see a half-done switch and finish or roll it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prorsa.events.inflight import Inflight
+from prorsa.policy.allocate import Role
+
+
+class ClusterUnavailable(Exception):
+    """The cluster's state could not be read or written right now; try again later."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    name: str
+    role: Role
+    ready: bool
+    draining: bool = False
+    target_role: Role | None = None
+    inflight: Inflight = field(default_factory=Inflight)  # as the routers report it
+
+    def old_role_inflight(self) -> int:
+        """In-flight work of the role this worker is leaving."""
+        if self.role is Role.PREFILL:
+            return self.inflight.prefill
+        if self.role is Role.DECODE:
+            return self.inflight.decode
+        return self.inflight.total
+
+
+class Cluster(Protocol):
+    async def workers(self) -> list[WorkerStatus]: ...
+
+    async def mark_draining(self, name: str, target: Role) -> None: ...
+
+    async def set_role(self, name: str, role: Role) -> None:
+        """Relabel to `role` and clear the drain marks, in one step."""
+        ...
+
+    async def cancel_drain(self, name: str) -> None:
+        """Clear the drain marks, keeping the old role (a rollback)."""
+        ...

@@ -1,0 +1,69 @@
+"""The switch protocol: drain → wait until the old role's in-flight work is done → relabel →
+undrain. A drain that does not finish in time is rolled back, so a stuck request never leaves
+a worker half-switched.
+
+In-flight counts come from the routers' reports; a report only proves the worker is empty if it
+was written after the router saw the drain mark (`settle_s` covers the routers' discovery lag),
+otherwise a request placed just before the mark could be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from enum import StrEnum
+
+from prorsa.control.cluster import Cluster, ClusterUnavailable, WorkerStatus
+from prorsa.policy.allocate import Role
+
+log = logging.getLogger(__name__)
+
+
+class SwitchOutcome(StrEnum):
+    DONE = "done"
+    ROLLED_BACK = "rolled_back"
+    SKIPPED = "skipped"  # already in the target role, or gone
+
+
+async def _status(cluster: Cluster, name: str, retry_s: float) -> WorkerStatus | None:
+    """The worker's status; waits out a cluster that is briefly unreachable."""
+    while True:
+        try:
+            return next((w for w in await cluster.workers() if w.name == name), None)
+        except ClusterUnavailable as e:
+            log.warning("switch %s: cannot read the cluster (%s); retrying", name, e)
+            await asyncio.sleep(retry_s)
+
+
+async def switch(
+    cluster: Cluster,
+    name: str,
+    target: Role,
+    *,
+    drain_timeout_s: float = 120.0,
+    settle_s: float = 1.0,
+    poll_s: float = 0.2,
+) -> SwitchOutcome:
+    w = await _status(cluster, name, poll_s)
+    if w is None or (w.role is target and not w.draining):
+        return SwitchOutcome.SKIPPED
+    if not (w.draining and w.target_role is target):
+        await cluster.mark_draining(name, target)
+    marked = time.time()
+    deadline = time.monotonic() + drain_timeout_s
+    while not (w.inflight.as_of >= marked + settle_s and w.old_role_inflight() == 0):
+        if time.monotonic() > deadline:
+            log.warning(
+                "switch %s %s->%s: %d in flight after %.0fs; rolling back",
+                name, w.role.value, target.value, w.old_role_inflight(), drain_timeout_s,
+            )  # fmt: skip
+            await cluster.cancel_drain(name)
+            return SwitchOutcome.ROLLED_BACK
+        await asyncio.sleep(poll_s)
+        w = await _status(cluster, name, poll_s)
+        if w is None:
+            return SwitchOutcome.SKIPPED
+    await cluster.set_role(name, target)
+    log.info("switch %s %s->%s done", name, w.role.value, target.value)
+    return SwitchOutcome.DONE

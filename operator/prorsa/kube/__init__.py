@@ -1,0 +1,1 @@
+"""Kubernetes adapters: pod discovery for the router (and, with the operator, the handlers)."""

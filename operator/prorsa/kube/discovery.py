@@ -1,0 +1,144 @@
+"""Router discovery in Kubernetes: list and watch the cluster's worker pods.
+
+A pod is an endpoint when it has an IP and a role label; it is ready when its Ready condition
+is true and it is not being deleted. Role, draining and target role come from the label and
+annotations the controller writes, so a relabel reaches the router within one watch event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from prorsa.events.keys import ClusterKeys
+from prorsa.kube import labels as L
+from prorsa.policy.allocate import Role
+from prorsa.router.discovery import Endpoint
+
+log = logging.getLogger(__name__)
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def pod_endpoint(pod: dict[str, Any]) -> Endpoint | None:
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    ann = meta.get("annotations") or {}
+    ip = status.get("podIP")
+    try:
+        role = Role(labels.get(L.ROLE, ""))
+    except ValueError:
+        return None
+    if not ip:
+        return None
+    ready = not meta.get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+    try:
+        target = Role(ann[L.TARGET_ROLE]) if ann.get(L.TARGET_ROLE) else None
+    except ValueError:
+        target = None
+    port = ann.get(L.PORT, "8000")
+    return Endpoint(
+        name=meta.get("name", ip),
+        url=f"http://{ip}:{port}",
+        role=role,
+        ready=bool(ready),
+        draining=ann.get(L.DRAINING) == "true",
+        target_role=target,
+    )
+
+
+class PodDiscovery:
+    def __init__(
+        self,
+        server: str,
+        keys: ClusterKeys,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | bool = True,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self.keys = keys
+        self.token = token
+        self.ssl = ssl_context
+
+    @classmethod
+    def in_cluster(cls, keys: ClusterKeys) -> PodDiscovery:
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset)")
+        ctx = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
+        token = (SERVICE_ACCOUNT / "token").read_text().strip()
+        return cls(f"https://{host}:{port}", keys, token, ctx)
+
+    def _url(self) -> str:
+        return f"{self.server}/api/v1/namespaces/{self.keys.namespace}/pods"
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def watch(self) -> AsyncIterator[list[Endpoint]]:
+        selector = L.worker_selector(self.keys.name)
+        pods: dict[str, dict[str, Any]] = {}
+        last: list[Endpoint] | None = None
+        async with aiohttp.ClientSession(headers=self._headers()) as s:
+            while True:
+                try:
+                    async with s.get(
+                        self._url(), params={"labelSelector": selector}, ssl=self.ssl
+                    ) as r:
+                        r.raise_for_status()
+                        listing = await r.json()
+                    pods = {p["metadata"]["name"]: p for p in listing.get("items") or ()}
+                    version = (listing.get("metadata") or {}).get("resourceVersion", "")
+                    snap = self._snapshot(pods)
+                    if snap != last:
+                        last = snap
+                        yield snap
+                    params = {
+                        "labelSelector": selector,
+                        "watch": "1",
+                        "resourceVersion": version,
+                        "allowWatchBookmarks": "true",
+                    }
+                    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+                    async with s.get(
+                        self._url(), params=params, ssl=self.ssl, timeout=timeout
+                    ) as r:
+                        r.raise_for_status()
+                        async for line in r.content:
+                            if not line.strip():
+                                continue
+                            ev = json.loads(line)
+                            kind, pod = ev.get("type"), ev.get("object") or {}
+                            if kind == "ERROR":
+                                break  # e.g. 410 Gone: list again
+                            name = (pod.get("metadata") or {}).get("name")
+                            if kind == "DELETED" and name:
+                                pods.pop(name, None)
+                            elif kind in ("ADDED", "MODIFIED") and name:
+                                pods[name] = pod
+                            else:
+                                continue
+                            snap = self._snapshot(pods)
+                            if snap != last:
+                                last = snap
+                                yield snap
+                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+                    log.warning("pod watch failed (%s); keeping the last snapshot, retrying", e)
+                    await asyncio.sleep(2.0)
+
+    @staticmethod
+    def _snapshot(pods: dict[str, dict[str, Any]]) -> list[Endpoint]:
+        eps = (pod_endpoint(p) for p in pods.values())
+        return sorted((e for e in eps if e is not None), key=lambda e: e.name)

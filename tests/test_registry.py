@@ -1,0 +1,130 @@
+"""The local registry and the switch protocol over the local Cluster adapter, on a real Redis.
+In-flight counts are written into the `workers` hash exactly as a router reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from redis.asyncio import Redis
+
+from prorsa.control.switch import SwitchOutcome, switch
+from prorsa.events import inflight
+from prorsa.events.keys import ClusterKeys
+from prorsa.local.cluster import LocalCluster
+from prorsa.local.registry import Registry
+from prorsa.policy.allocate import Role
+
+KEYS = ClusterKeys("t", "reg")
+
+
+def test_registration_keeps_a_role_the_controller_set(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            reg = Registry(r, KEYS)
+            await reg.register("w0", "http://127.0.0.1:1", Role.PREFILL)
+            await reg.set_ready("w0", True)
+            await reg.set_role("w0", Role.DECODE)
+            await reg.register("w0", "http://127.0.0.1:2", Role.PREFILL)  # agent restarted
+            [w] = await reg.list()
+            assert (w.role, w.url, w.ready) == (Role.DECODE, "http://127.0.0.1:2", False)
+
+    asyncio.run(main())
+
+
+def test_drain_marks_and_rollback(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            reg = Registry(r, KEYS)
+            await reg.register("w0", "http://x:1", Role.PREFILL)
+            await reg.mark_draining("w0", Role.DECODE)
+            [w] = await reg.list()
+            assert w.draining and w.target_role is Role.DECODE and w.role is Role.PREFILL
+            await reg.cancel_drain("w0")
+            [w] = await reg.list()
+            assert not w.draining and w.target_role is None and w.role is Role.PREFILL
+
+    asyncio.run(main())
+
+
+def test_corrupted_entries_are_invisible_not_fatal(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            reg = Registry(r, KEYS)
+            await reg.register("good", "http://x:1", Role.MIXED)
+            await r.sadd(KEYS.registry, "ghost", "bad")
+            await r.hset(KEYS.worker("bad"), mapping={"url": "http://x:2", "role": "chef"})
+            assert [w.name for w in await reg.list()] == ["good"]
+
+    asyncio.run(main())
+
+
+async def _report(r: Redis, worker: str, prefill: int, decode: int, stop: asyncio.Event) -> None:
+    """What a router does every interval."""
+    while not stop.is_set():
+        await r.hset(KEYS.workers, inflight.field(worker, "r1"),
+                     inflight.value(prefill, decode, time.time()))  # fmt: skip
+        await asyncio.sleep(0.05)
+
+
+def test_switch_waits_for_a_fresh_zero_then_relabels(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            await cluster.registry.register("w0", "http://x:1", Role.PREFILL)
+            stop = asyncio.Event()
+            # a stale zero written before the drain proves nothing:
+            await r.hset(KEYS.workers, inflight.field("w0", "r1"), inflight.value(0, 0, 1.0))
+            busy = asyncio.create_task(_report(r, "w0", 2, 0, stop))
+            sw = asyncio.create_task(switch(cluster, "w0", Role.DECODE, settle_s=0.2, poll_s=0.05))
+            await asyncio.sleep(0.5)
+            assert not sw.done()
+            [w] = await cluster.workers()
+            assert w.draining and w.role is Role.PREFILL  # still draining its prefills
+            stop.set()
+            await busy
+            stop2 = asyncio.Event()
+            idle = asyncio.create_task(_report(r, "w0", 0, 3, stop2))  # decodes don't block
+            assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
+            stop2.set()
+            await idle
+            [w] = await cluster.workers()
+            assert w.role is Role.DECODE and not w.draining
+
+    asyncio.run(main())
+
+
+def test_switch_rolls_back_when_the_drain_times_out(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            await cluster.registry.register("w0", "http://x:1", Role.DECODE)
+            stop = asyncio.Event()
+            stuck = asyncio.create_task(_report(r, "w0", 0, 1, stop))
+            out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.6, settle_s=0.1)
+            stop.set()
+            await stuck
+            assert out is SwitchOutcome.ROLLED_BACK
+            [w] = await cluster.workers()
+            assert w.role is Role.DECODE and not w.draining
+            assert await switch(cluster, "w0", Role.DECODE) is SwitchOutcome.SKIPPED
+
+    asyncio.run(main())
+
+
+def test_a_new_controller_finishes_a_half_done_switch(redis_url: str) -> None:
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            await cluster.registry.register("w0", "http://x:1", Role.PREFILL)
+            await cluster.mark_draining("w0", Role.DECODE)  # then the controller died
+            stop = asyncio.Event()
+            idle = asyncio.create_task(_report(r, "w0", 0, 0, stop))
+            out = await switch(cluster, "w0", Role.DECODE, settle_s=0.1, poll_s=0.05)
+            stop.set()
+            await idle
+            assert out is SwitchOutcome.DONE
+            [w] = await cluster.workers()
+            assert w.role is Role.DECODE and not w.draining
+
+    asyncio.run(main())

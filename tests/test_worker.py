@@ -1,0 +1,85 @@
+"""The worker agent's pure parts: the vLLM command per role and switch mode, and role labels
+read the way the kubelet writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from prorsa.policy.allocate import Role
+from prorsa.worker.engine import Connector, EngineSpec, SwitchMode, command, kv_transfer_config
+from prorsa.worker.roles import FileRoleSource, parse_labels
+
+
+def _kv(argv: list[str]) -> dict[str, object]:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])  # type: ignore[no-any-return]
+
+
+def test_routing_mode_runs_every_role_as_kv_both() -> None:
+    spec = EngineSpec("/models/m", port=8001, kv_buffer_device="cpu")
+    for role in Role:
+        argv, _ = command(spec, role)
+        assert _kv(argv) == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                             "kv_buffer_device": "cpu"}  # fmt: skip
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--port") + 1] == "8001"
+
+
+def test_restart_mode_gives_explicit_producer_and_consumer_roles() -> None:
+    spec = EngineSpec("m", switch_mode=SwitchMode.RESTART)
+    assert _kv(command(spec, Role.PREFILL)[0])["kv_role"] == "kv_producer"
+    assert _kv(command(spec, Role.DECODE)[0])["kv_role"] == "kv_consumer"
+    assert _kv(command(spec, Role.MIXED)[0])["kv_role"] == "kv_both"
+
+
+def test_nccl_and_no_connector() -> None:
+    spec = EngineSpec("m", connector=Connector.NCCL, nccl_port=21001, port=8100,
+                      switch_mode=SwitchMode.RESTART)  # fmt: skip
+    cfg = kv_transfer_config(spec, Role.DECODE)
+    assert cfg is not None and cfg["kv_connector"] == "P2pNcclConnector"
+    assert cfg["kv_role"] == "kv_consumer" and cfg["kv_port"] == "21001"
+    argv, _ = command(EngineSpec("m", connector=Connector.NONE), Role.MIXED)
+    assert "--kv-transfer-config" not in argv
+
+
+def test_per_instance_environment_and_extra_args_pass_through() -> None:
+    spec = EngineSpec("m", side_channel_port=5601, side_channel_host="10.0.0.7", cpu_cores="1",
+                      kv_cache_gib=2, served_model_name="tiny",
+                      extra_args=("--max-model-len", "2048"))  # fmt: skip
+    argv, env = command(spec, Role.DECODE)
+    assert env == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5601", "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7",
+                   "VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}  # fmt: skip
+    assert argv[-2:] == ["--max-model-len", "2048"]
+    assert argv[argv.index("--served-model-name") + 1] == "tiny"
+
+
+@pytest.mark.parametrize("bad", [{"port": 0}, {"side_channel_port": 70000}, {"model": ""}])
+def test_invalid_specs_fail_loudly(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        EngineSpec(**{"model": "m", **bad})  # type: ignore[arg-type]
+
+
+def test_downward_api_labels_file() -> None:
+    text = 'app="x"\nprorsa.io/cluster="rl"\nprorsa.io/role="decode"\nbroken line\nq="a\\"b"\n'
+    labels = parse_labels(text)
+    assert labels["prorsa.io/role"] == "decode" and labels["q"] == 'a"b'
+    assert "broken line" not in labels
+
+
+def test_file_role_source_follows_the_kubelet_rewriting_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "labels"
+    src = FileRoleSource(f)
+
+    async def read() -> Role | None:
+        return await src.current()
+
+    assert asyncio.run(read()) is None  # not there yet: keep the current role
+    f.write_text('prorsa.io/role="prefill"\n')
+    assert asyncio.run(read()) is Role.PREFILL
+    f.write_text('prorsa.io/role="decode"\n')
+    assert asyncio.run(read()) is Role.DECODE
+    f.write_text('prorsa.io/role="chef"\n')
+    assert asyncio.run(read()) is None
