@@ -28,6 +28,7 @@ async def complete(
     *,
     traj: str | None = None,
     stream: bool = False,
+    stream_usage: bool = True,
 ) -> Completion:
     body: dict[str, Any] = {
         "model": MODEL,
@@ -38,6 +39,8 @@ async def complete(
         "return_token_ids": True,
         "stream": stream,
     }
+    if stream and stream_usage:
+        body["stream_options"] = {"include_usage": True}
     headers = {"X-Prorsa-Trajectory": traj} if traj else {}
     async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
         if not stream or r.status != 200:

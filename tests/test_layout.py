@@ -23,3 +23,29 @@ def test_policy_imports_nothing_of_the_adapters_and_no_io() -> None:
                 assert n.split(".")[0] not in FORBIDDEN, f"{f.name} imports {n}"
                 if n.startswith("prorsa."):
                     assert n.startswith("prorsa.policy"), f"{f.name} imports {n}"
+
+
+def _prorsa_imports(package: str) -> set[str]:
+    root = POLICY.parent / package
+    found: set[str] = set()
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("prorsa.")
+            ):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("prorsa.")}
+    return found
+
+
+def test_imports_follow_the_data_flow() -> None:
+    """control sees only policy and events; events sees only policy; adapters never import
+    the CLI or the operator's Kubernetes handlers."""
+    assert _prorsa_imports("control") <= {"control", "policy", "events"}
+    assert _prorsa_imports("events") <= {"events", "policy"}
+    for adapter in ("router", "worker", "local"):
+        assert "cli" not in _prorsa_imports(adapter)
+        assert "sim" not in _prorsa_imports(adapter)

@@ -83,3 +83,43 @@ def test_file_role_source_follows_the_kubelet_rewriting_the_file(tmp_path: Path)
     assert asyncio.run(read()) is Role.DECODE
     f.write_text('prorsa.io/role="chef"\n')
     assert asyncio.run(read()) is None
+
+
+def test_core_lists() -> None:
+    from prorsa.worker.engine import parse_cores
+
+    assert parse_cores("0") == {0}
+    assert parse_cores("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError, match="0-3,5"):
+        parse_cores("a-b")
+    with pytest.raises(ValueError):
+        EngineSpec("m", cpu_cores="x")
+
+
+def test_pinning_a_process_group_binds_all_its_threads(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from prorsa.worker.agent import pin_process_group
+
+    core = min(os.sched_getaffinity(0))
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time; threading.Thread(target=time.sleep, "
+            "args=(30,), daemon=True).start(); time.sleep(30)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        import time
+
+        time.sleep(0.5)
+        assert pin_process_group(child.pid, {core}) >= 2  # main thread + the extra thread
+        for task in Path(f"/proc/{child.pid}/task").iterdir():
+            assert os.sched_getaffinity(int(task.name)) == {core}
+    finally:
+        child.kill()
+        child.wait()

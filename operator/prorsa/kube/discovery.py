@@ -33,6 +33,8 @@ def pod_endpoint(pod: dict[str, Any]) -> Endpoint | None:
     labels = meta.get("labels") or {}
     ann = meta.get("annotations") or {}
     ip = status.get("podIP")
+    if labels.get(L.COMPONENT) != L.WORKER or not labels.get(L.CLUSTER):
+        return None
     try:
         role = Role(labels.get(L.ROLE, ""))
     except ValueError:
@@ -138,7 +140,11 @@ class PodDiscovery:
                     log.warning("pod watch failed (%s); keeping the last snapshot, retrying", e)
                     await asyncio.sleep(2.0)
 
-    @staticmethod
-    def _snapshot(pods: dict[str, dict[str, Any]]) -> list[Endpoint]:
-        eps = (pod_endpoint(p) for p in pods.values())
+    def _snapshot(self, pods: dict[str, dict[str, Any]]) -> list[Endpoint]:
+        """Endpoints of this cluster's worker pods (the selector is re-checked here)."""
+        mine = (
+            p for p in pods.values()
+            if ((p.get("metadata") or {}).get("labels") or {}).get(L.CLUSTER) == self.keys.name
+        )  # fmt: skip
+        eps = (pod_endpoint(p) for p in mine)
         return sorted((e for e in eps if e is not None), key=lambda e: e.name)

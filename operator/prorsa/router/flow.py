@@ -124,6 +124,7 @@ class Flow:
         rec = self.trajectories.begin(turn, self.routing_switch)
         avoid: set[str] = set()  # failed this turn: other workers first, these if none is left
         reason = "no ready worker"
+        submitted = False
         t0 = time.monotonic()
         for attempt in range(self.max_attempts):
             if attempt:
@@ -133,8 +134,9 @@ class Flow:
             )
             if plan is None:
                 continue
-            if attempt == 0:
+            if not submitted:  # once per turn, whatever the retries
                 self.trajectories.submitted(rec, plan)
+                submitted = True
             path = "split" if plan.prefill is not None else "local"
             try:
                 if turn.stream:

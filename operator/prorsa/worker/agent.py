@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
-from prorsa.worker.engine import EngineSpec, SwitchMode, command, kv_role
+from prorsa.worker.engine import EngineSpec, SwitchMode, command, kv_role, parse_cores
 from prorsa.worker.roles import RoleSource
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,27 @@ class AgentConfig:
     role_poll_s: float = 1.0
     unhealthy_after_s: float = 60.0  # a live process whose /health fails this long is restarted
     max_backoff_s: float = 30.0
+
+
+def pin_process_group(pgid: int, cores: set[int]) -> int:
+    """Bind every thread of every process in the engine's group to `cores`; returns how many.
+
+    vLLM binds its compute threads itself, but on CPU its NIXL worker then moves the calling
+    thread to the last core of each NUMA node, so every engine on a host would compute on
+    the same core. Re-binding the whole group after start-up keeps engines on their own cores.
+    """
+    pinned = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields after "(comm)": state, ppid, pgrp, ...
+                continue
+            for task in (stat.parent / "task").iterdir():
+                os.sched_setaffinity(int(task.name), cores)
+                pinned += 1
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to change
+    return pinned
 
 
 async def engine_idle(session: aiohttp.ClientSession, url: str) -> bool:
@@ -168,6 +189,7 @@ class Agent:
                     last_ok = now
                     if not self.ready:
                         log.info("vLLM ready as %s after %.1fs", self.role.value, now - started)
+                        self._pin(proc.pid)
                         await self._publish_ready(True)
                 elif self.ready and now - last_ok > self.cfg.unhealthy_after_s:
                     log.error("vLLM stopped answering /health for %.0fs", now - last_ok)
@@ -183,6 +205,13 @@ class Agent:
             stop.cancel()
             if not exited.done():
                 exited.cancel()
+
+    def _pin(self, pgid: int) -> None:
+        if self.cfg.spec.cpu_cores is None or not hasattr(os, "sched_setaffinity"):
+            return
+        cores = parse_cores(self.cfg.spec.cpu_cores)
+        n = pin_process_group(pgid, cores)
+        log.info("bound %d engine threads to cores %s", n, self.cfg.spec.cpu_cores)
 
     async def _role_changed(self) -> bool:
         """Adopt a new role; True when the engine must restart to take it."""

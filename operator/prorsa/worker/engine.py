@@ -48,6 +48,8 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
+        if self.cpu_cores is not None:
+            parse_cores(self.cpu_cores)
         for name in ("port", "side_channel_port", "nccl_port"):
             v = getattr(self, name)
             if not 0 < v < 65536:
@@ -104,6 +106,17 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
     if spec.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     return argv, env
+
+
+def parse_cores(spec: str) -> set[int]:
+    """`0`, `0-3`, `0,2,4-5` → the set of core ids (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"cpu cores must look like 0-3,5; got {spec!r}")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
 
 
 def model_exists(model: str) -> bool:
