@@ -123,3 +123,36 @@ def test_pinning_a_process_group_binds_all_its_threads(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_drain_reads_running_and_waiting_requests_from_vllm_metrics() -> None:
+    """The agent's idle check parses vLLM's Prometheus text (served here by a real HTTP
+    server with the two series vLLM exposes)."""
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from prorsa.worker.agent import engine_idle
+
+    page = {"text": ""}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=page["text"])
+
+    async def main() -> list[bool]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        async with TestServer(app) as server, aiohttp.ClientSession() as s:
+            url = str(server.make_url("")).rstrip("/")
+            out = []
+            for running, waiting in ((2.0, 0.0), (0.0, 1.0), (0.0, 0.0)):
+                page["text"] = (
+                    "# HELP vllm:num_requests_running Number of requests running.\n"
+                    f'vllm:num_requests_running{{engine="0",model_name="m"}} {running}\n'
+                    f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}\n'
+                    'vllm:num_requests_waiting_by_reason{reason="capacity"} 7.0\n'
+                )
+                out.append(await engine_idle(s, url))
+            return out
+
+    assert asyncio.run(main()) == [False, False, True]

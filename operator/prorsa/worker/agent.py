@@ -76,7 +76,8 @@ async def engine_idle(session: aiohttp.ClientSession, url: str) -> bool:
         return True  # nothing answers: nothing to wait for
     busy = 0.0
     for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
             with contextlib.suppress(ValueError, IndexError):
                 busy += float(line.rsplit(" ", 1)[1])
     return busy == 0
