@@ -1,4 +1,5 @@
-"""Writing lifecycle events to the Redis stream without ever slowing a request.
+"""The lifecycle event stream: written by routers without ever slowing a request, read by the
+controller through a consumer group.
 
 `EventWriter.emit` only appends to a bounded in-memory buffer; a background task sends the
 buffer in pipelined batches. If Redis is away the buffer keeps the newest events (the oldest are
@@ -13,11 +14,12 @@ import contextlib
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
-from prorsa.events.schema import encode
+from prorsa.events.schema import EventError, decode, encode
 from prorsa.policy.lifecycle import Event
 
 log = logging.getLogger(__name__)
@@ -107,3 +109,88 @@ class EventWriter:
             await asyncio.wait_for(self.flush(), timeout_s)
         self.dropped += len(self._buf)
         self._buf.clear()
+
+
+class EventReader:
+    """Reads the stream through a consumer group, so a restarted controller resumes where it
+    stopped instead of replaying history; what it consumed is acknowledged.
+
+    Entries that are not valid events are skipped, counted and acknowledged (never fatal):
+    one bad producer must not stall the controller.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        key: str,
+        group: str = "prorsa-controller",
+        consumer: str = "controller",
+        batch: int = 5000,
+    ) -> None:
+        self.redis = redis
+        self.key = key
+        self.group = group
+        self.consumer = consumer
+        self.batch = batch
+        self.read_total = 0
+        self.malformed = 0
+        self._pending_first = True  # entries delivered to us before a crash, not yet acked
+        self._unacked: list[bytes | str] = []
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read(self, block_ms: int = 0) -> list[Event]:
+        """The next events (waits up to `block_ms` when there are none)."""
+        if self._pending_first:
+            entries = await self._xread("0", None)
+            if len(entries) < self.batch:
+                self._pending_first = False  # caught up with what a previous run left unacked
+            if entries:
+                return self._decode(entries)
+        return self._decode(await self._xread(">", block_ms if block_ms > 0 else None))
+
+    async def _xread(self, start: str, block_ms: int | None) -> list[Any]:
+        reply: Any = await self.redis.xreadgroup(
+            self.group, self.consumer, {self.key: start}, count=self.batch, block=block_ms
+        )
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3 shape
+            return list(next(iter(reply.values()))[0])
+        return list(reply[0][1])
+
+    def _decode(self, entries: list[Any]) -> list[Event]:
+        events: list[Event] = []
+        for entry_id, fields in entries:
+            self._unacked.append(entry_id)
+            try:
+                if not fields:  # trimmed from the stream after delivery
+                    raise EventError("entry no longer in the stream")
+                events.append(decode(fields))
+            except EventError as e:
+                self.malformed += 1
+                if self.malformed <= 10 or self.malformed % 1000 == 0:
+                    log.warning("skipping malformed event %s (%d so far): %s",
+                                entry_id, self.malformed, e)  # fmt: skip
+        self.read_total += len(events)
+        return events
+
+    async def ack(self) -> None:
+        """Acknowledge everything read so far (call after it has been applied)."""
+        if self._unacked:
+            ids, self._unacked = self._unacked, []
+            await self.redis.xack(self.key, self.group, *ids)
+
+    async def lag(self) -> int | None:
+        """Entries in the stream this group has not read yet (Redis 7+), else None."""
+        for g in await self.redis.xinfo_groups(self.key):
+            name = g.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == self.group:
+                lag = g.get("lag")
+                return int(lag) if lag is not None else None
+        return None

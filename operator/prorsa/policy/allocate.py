@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.forecast import Forecast
+from prorsa.policy.forecast import Forecast, Horizon
 
 
 class Role(StrEnum):
@@ -43,6 +43,11 @@ class AllocationSettings:
     reactive_prefill_wait_down_s: float = 0.2
     reactive_kv_util_up: float = 0.8
     reactive_kv_util_down: float = 0.5
+
+    @property
+    def horizon(self) -> Horizon:
+        """The forecast horizon: one step per decision interval."""
+        return Horizon(self.interval_s, max(1, round(self.horizon_s / self.interval_s)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ from prorsa.policy.forecast import (
     Forecast,
     Forecaster,
     ForecastScorer,
-    Horizon,
     make_forecaster,
 )
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
@@ -221,10 +220,7 @@ class Simulator:
         self._dec_seq = itertools.count()
         self.events: list[Event] = []
         self.table = LifecycleTable()
-        self.horizon = Horizon(
-            self.settings.interval_s,
-            max(1, round(self.settings.horizon_s / self.settings.interval_s)),
-        )
+        self.horizon = self.settings.horizon
         self.shadows: dict[str, Forecaster] = {
             name: make_forecaster(name, self.cfg.mode) for name in self.cfg.shadow_forecasters
         }

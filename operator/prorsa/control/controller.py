@@ -1,0 +1,224 @@
+"""The control loop: events in, role switches out.
+
+    stream ─▶ lifecycle table ─▶ forecast(horizon) ─▶ policy.decide ─▶ switch protocol
+                                                                  (drain, wait, relabel)
+
+The decisions are the very objects the simulator runs (`prorsa.policy`); this module only adds
+I/O: a consumer-group reader, a `Cluster` to read workers from and switch them on, metrics and
+logs. Safety rules: a worker is never switched twice at once; a switch left half-done by a
+previous controller is finished (or rolled back) on start; while Redis or the cluster cannot be
+read, no decision is made and the allocation stays as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from prorsa.control.cluster import Cluster, ClusterUnavailable, WorkerStatus
+from prorsa.control.metrics import ControllerMetrics
+from prorsa.control.switch import SwitchOutcome, switch
+from prorsa.events.stream import EventReader
+from prorsa.policy.allocate import (
+    AllocationSettings,
+    ClusterView,
+    Decision,
+    Policy,
+    Role,
+    WorkerView,
+    make_policy,
+)
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.forecast import Forecast, RolloutMode, make_forecaster
+from prorsa.policy.lifecycle import LifecycleTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ControllerConfig:
+    settings: AllocationSettings
+    capacity: RoleCapacity
+    mode: RolloutMode = "sync"
+    drain_timeout_s: float = 120.0
+    settle_s: float = 1.0  # routers' discovery lag: see control.switch
+    read_block_ms: int = 250
+    max_backoff_s: float = 10.0
+
+
+def cluster_view(workers: list[WorkerStatus]) -> ClusterView:
+    return ClusterView(
+        tuple(
+            WorkerView(
+                id=w.name,
+                role=w.role,
+                draining=w.draining,
+                target_role=w.target_role,
+                ready=w.ready,
+                inflight_prefill=w.inflight.prefill,
+                inflight_decode=w.inflight.decode,
+            )
+            for w in workers
+        )
+    )
+
+
+@dataclass
+class Controller:
+    cluster: Cluster
+    reader: EventReader
+    config: ControllerConfig
+    metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
+    clock: Callable[[], float] = time.time
+    table: LifecycleTable = field(default_factory=LifecycleTable)
+    policy: Policy = field(init=False)
+    last_decision: Decision | None = field(default=None, init=False)
+    last_forecast: Forecast | None = field(default=None, init=False)
+    healthy: bool = field(default=False, init=False)
+    switches_done: int = field(default=0, init=False)
+    _switching: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict, init=False)
+    _malformed_counted: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.config.settings, self.config.capacity)
+        self.forecaster = make_forecaster("lifecycle", self.config.mode)
+
+    # ---- switches -----------------------------------------------------------------------------
+
+    @property
+    def switching(self) -> set[str]:
+        return set(self._switching)
+
+    def _start_switch(self, worker: str, from_role: Role, to_role: Role) -> None:
+        if worker in self._switching:
+            return  # never two switches of one worker at once
+
+        async def run() -> SwitchOutcome:
+            t0 = time.monotonic()
+            try:
+                out = await switch(
+                    self.cluster, worker, to_role,
+                    drain_timeout_s=self.config.drain_timeout_s, settle_s=self.config.settle_s,
+                )  # fmt: skip
+            finally:
+                self._switching.pop(worker, None)
+                self.metrics.switching.set(len(self._switching))
+            self.metrics.switches.labels(from_role.value, to_role.value, out.value).inc()
+            if out is SwitchOutcome.DONE:
+                self.switches_done += 1
+                self.metrics.switch_seconds.observe(time.monotonic() - t0)
+            elif out is SwitchOutcome.ROLLED_BACK:
+                self.metrics.drain_timeouts.inc()
+            return out
+
+        self._switching[worker] = asyncio.create_task(run(), name=f"switch-{worker}")
+        self.metrics.switching.set(len(self._switching))
+
+    async def recover(self) -> int:
+        """Finish (or roll back) every switch a previous controller left half-done."""
+        found = 0
+        for w in await self.cluster.workers():
+            if w.draining and w.target_role is not None:
+                log.info("resuming the switch of %s to %s left by a previous controller",
+                         w.name, w.target_role.value)  # fmt: skip
+                self._start_switch(w.name, w.role, w.target_role)
+                found += 1
+        return found
+
+    async def wait_switches(self) -> None:
+        if self._switching:
+            await asyncio.gather(*self._switching.values(), return_exceptions=True)
+
+    # ---- one decision -------------------------------------------------------------------------
+
+    async def decide(self) -> Decision:
+        now = self.clock()
+        workers = await self.cluster.workers()
+        view = cluster_view(workers)
+        forecast = None
+        if self.policy.uses_forecast:
+            forecast = self.forecaster.forecast(self.table, now, self.config.settings.horizon)
+        decision = self.policy.decide(view, forecast, now)
+        for sw in decision.switches:
+            if sw.worker not in self._switching:
+                self._start_switch(sw.worker, sw.from_role, sw.to_role)
+        self._record(view, decision, forecast)
+        return decision
+
+    def _record(self, view: ClusterView, d: Decision, fc: Forecast | None) -> None:
+        m = self.metrics
+        m.decisions.inc()
+        for role, n in ((Role.PREFILL, d.target.prefill), (Role.DECODE, d.target.decode),
+                        (Role.MIXED, d.target.mixed)):  # fmt: skip
+            m.target.labels(role.value).set(n)
+            m.actual.labels(role.value).set(view.count(role))
+        m.trajectories.set(self.table.in_flight)
+        if fc is not None:
+            m.forecast_prefill.set(fc.prefill_tokens_per_s[0])
+            m.forecast_decode.set(fc.decode_seqs[0])
+        changed = self.last_decision is None or d.switches or d.target != self.last_decision.target
+        if changed:
+            moves = ", ".join(f"{s.worker} {s.from_role.value}->{s.to_role.value}"
+                              for s in d.switches) or "none"  # fmt: skip
+            fc_text = "none"
+            if fc is not None:
+                fc_text = (
+                    f"prefill {fc.prefill_tokens_per_s[0]:.0f} tok/s, "
+                    f"decode {fc.decode_seqs[0]:.1f} seqs"
+                )
+            log.info("decision: %s -> target %s (%s); forecast %s; switches: %s",
+                     view.allocation, d.target, d.reason, fc_text, moves)  # fmt: skip
+        self.last_decision, self.last_forecast = d, fc
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        events = await self.reader.read(self.config.read_block_ms)
+        if events:
+            self.table.ingest(events)
+            self.metrics.events.inc(len(events))
+        await self.reader.ack()
+        if self.reader.malformed > self._malformed_counted:
+            self.metrics.malformed.inc(self.reader.malformed - self._malformed_counted)
+            self._malformed_counted = self.reader.malformed
+
+    async def run(self, stop: asyncio.Event) -> None:
+        backoff = 0.5
+        recovered = False
+        next_decision = 0.0
+        while not stop.is_set():
+            try:
+                if not recovered:
+                    await self.reader.ensure_group()
+                    await self.recover()
+                    recovered = True
+                await self._consume()
+                if time.monotonic() >= next_decision:
+                    next_decision = time.monotonic() + self.config.settings.interval_s
+                    await self.decide()
+                    with contextlib.suppress(RedisError):
+                        lag = await self.reader.lag()
+                        if lag is not None:
+                            self.metrics.lag.set(lag)
+                if not self.healthy:
+                    log.info("Redis and the cluster answer: deciding again")
+                self.healthy = True
+                self.metrics.up.set(1)
+                backoff = 0.5
+            except (RedisError, OSError, ClusterUnavailable) as e:
+                if self.healthy or backoff == 0.5:
+                    log.warning("cannot reach Redis or the cluster (%s): holding the current "
+                                "allocation, retrying", e)  # fmt: skip
+                self.healthy = False
+                recovered = False  # Redis may have lost the consumer group: set it up again
+                self.metrics.up.set(0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = min(backoff * 2, self.config.max_backoff_s)
+        await self.wait_switches()

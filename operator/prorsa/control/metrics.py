@@ -1,0 +1,49 @@
+"""The controller's Prometheus metrics: every decision is visible (forecast, target, actual)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SWITCH_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class ControllerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.forecast_prefill = Gauge(
+            "prorsa_forecast_prefill_tokens_per_second",
+            "Forecast prefill work over the next step", registry=r,
+        )  # fmt: skip
+        self.forecast_decode = Gauge(
+            "prorsa_forecast_decode_sequences", "Forecast sequences decoding at the next step",
+            registry=r,
+        )  # fmt: skip
+        self.target = Gauge("prorsa_target_workers", "Workers the policy wants per role", ["role"],
+                            registry=r)  # fmt: skip
+        self.actual = Gauge("prorsa_workers", "Workers per role (draining: by target)", ["role"],
+                            registry=r)  # fmt: skip
+        self.switching = Gauge("prorsa_switches_in_progress", "Workers being switched",
+                               registry=r)  # fmt: skip
+        self.decisions = Counter("prorsa_decisions", "Allocation decisions made", registry=r)
+        self.switches = Counter(
+            "prorsa_switches", "Role switches by outcome", ["from_role", "to_role", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.switch_seconds = Histogram(
+            "prorsa_switch_seconds", "Drain-to-relabel duration of completed switches",
+            buckets=_SWITCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.drain_timeouts = Counter(
+            "prorsa_drain_timeouts", "Switches rolled back because the drain timed out",
+            registry=r,
+        )  # fmt: skip
+        self.events = Counter("prorsa_events_consumed", "Lifecycle events applied", registry=r)
+        self.malformed = Counter(
+            "prorsa_events_malformed", "Stream entries skipped as malformed", registry=r
+        )
+        self.lag = Gauge("prorsa_events_lag", "Stream entries not yet read by the controller",
+                         registry=r)  # fmt: skip
+        self.trajectories = Gauge("prorsa_trajectories_in_flight", "Trajectories tracked",
+                                  registry=r)  # fmt: skip
+        self.up = Gauge("prorsa_controller_redis_up", "1 when Redis answers, 0 while it does not",
+                        registry=r)  # fmt: skip
