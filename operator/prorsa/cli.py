@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,12 +19,18 @@ from prorsa.sim.costmodel import PRESETS, preset
 from prorsa.sim.engine import SimConfig
 from prorsa.sim.workload import WorkloadError, load_workload
 
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from prorsa.control.controller import Controller
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Prorsa: prediction-guided prefill/decode allocation for agentic RL rollouts.",
 )
 err = Console(stderr=True)
+_DEFAULTS = AllocationSettings()
 
 
 def _out() -> Console:
@@ -335,6 +342,174 @@ def router(
         max_body_bytes=max_body_mb * 1024 * 1024,
     )
     web.run_app(Router(config, disc, counter).app(), host=host, port=port, access_log=None)
+
+
+@app.command()
+def controller(
+    redis_url: Annotated[str, typer.Option(help="events, in-flight counts, registry")],
+    cluster: Annotated[str, typer.Option(help="namespace/name of the rollout cluster")] = (
+        "default/prorsa"
+    ),
+    policy: Annotated[str, typer.Option(help="colocated, static, reactive or predictive")] = (
+        "predictive"
+    ),
+    mode: Annotated[str, typer.Option(help="rollout mode: sync or async")] = "sync",
+    static_prefill: Annotated[int | None, typer.Option(help="static: prefill workers")] = None,
+    min_prefill: Annotated[int, typer.Option(min=0)] = _DEFAULTS.min_prefill,
+    min_decode: Annotated[int, typer.Option(min=0)] = _DEFAULTS.min_decode,
+    horizon: Annotated[float, typer.Option(min=1, help="forecast horizon, s")] = (
+        _DEFAULTS.horizon_s
+    ),
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between decisions")] = (
+        _DEFAULTS.interval_s
+    ),
+    cooldown: Annotated[float, typer.Option(min=0, help="seconds between switch rounds")] = (
+        _DEFAULTS.cooldown_s
+    ),
+    max_switches: Annotated[int, typer.Option(min=1, help="switches per decision")] = (
+        _DEFAULTS.max_switches_per_decision
+    ),
+    drain_timeout: Annotated[float, typer.Option(min=1, help="roll a switch back after")] = 120.0,
+    capacity: Annotated[str, typer.Option(help="worker capacity model: a simulate preset")] = (
+        "h200"
+    ),
+    metrics_port: Annotated[int, typer.Option(help="/metrics and /healthz (0: off)")] = 9090,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "info",
+) -> None:
+    """Run the control loop for a local cluster (the operator runs the same loop per cluster)."""
+    import asyncio
+    import signal
+    import socket
+
+    from redis.asyncio import Redis
+
+    from prorsa.control.controller import Controller, ControllerConfig
+    from prorsa.events.keys import ClusterKeys
+    from prorsa.events.stream import EventReader
+    from prorsa.local.cluster import LocalCluster
+
+    _logging(log_level)
+    if mode not in ("sync", "async"):
+        raise _fail("--mode must be sync or async")
+    try:
+        keys = ClusterKeys.parse(cluster)
+        settings = replace(
+            AllocationSettings(),
+            policy=policy,
+            static_prefill=static_prefill,
+            min_prefill=min_prefill,
+            min_decode=min_decode,
+            horizon_s=horizon,
+            interval_s=interval,
+            cooldown_s=cooldown,
+            max_switches_per_decision=max_switches,
+        )
+        role_capacity = preset(capacity).role_capacity()
+        from prorsa.policy.allocate import make_policy
+
+        make_policy(settings, role_capacity)  # unknown policy: fail here, clearly
+    except ValueError as e:
+        raise _fail(str(e)) from None
+
+    async def main() -> None:
+        redis = Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        ctl = Controller(
+            LocalCluster(redis, keys),
+            EventReader(redis, keys.events, consumer=socket.gethostname()),
+            ControllerConfig(
+                settings,
+                role_capacity,
+                mode=mode,  # type: ignore[arg-type]
+                drain_timeout_s=drain_timeout,
+            ),
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = await _serve_metrics(ctl, metrics_port) if metrics_port else None
+        try:
+            await ctl.run(stop)
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+            await redis.aclose()
+
+    asyncio.run(main())
+
+
+async def _serve_metrics(ctl: Controller, port: int) -> web.AppRunner:
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(ctl.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"redis": ctl.healthy}, status=200 if ctl.healthy else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+@app.command()
+def local(
+    workers: Annotated[int, typer.Option(min=1, help="vLLM workers on this machine")] = 2,
+    policy: Annotated[str, typer.Option(help="colocated, static, reactive or predictive")] = (
+        "predictive"
+    ),
+    compare: Annotated[
+        str, typer.Option(help="run the same workload under each of these policies")
+    ] = "",
+    workload: Annotated[str, typer.Option(help="built-in (swe, search, math, shift) or YAML")] = (
+        "swe"
+    ),
+    trajectories: Annotated[int, typer.Option(min=1, help="trajectories in the rollout")] = 24,
+    seed: Annotated[int, typer.Option(help="workload seed")] = 0,
+    mode: Annotated[str, typer.Option(help="sync (one batch) or async (half in flight)")] = "sync",
+    redis_url: Annotated[str, typer.Option(help="use this Redis instead of a private one")] = "",
+    workdir: Annotated[Path, typer.Option(help="model, logs, Redis data")] = Path(".prorsa/local"),
+    live: Annotated[bool, typer.Option(help="live terminal view")] = True,
+    log_level: Annotated[str, typer.Option(help="logging level")] = "warning",
+) -> None:
+    """Run the whole system on this machine: real vLLM workers on the CPU, router, Redis and
+    controller, driven by a seeded agentic workload; prints a summary."""
+    import asyncio
+
+    from prorsa.local.runner import LocalOptions, run_local
+
+    _logging(log_level)
+    policies = [p.strip() for p in (compare or policy).split(",") if p.strip()]
+    known = ("colocated", "static", "reactive", "predictive")
+    bad = [p for p in policies if p not in known]
+    if bad or not policies:
+        raise _fail(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")
+    if mode not in ("sync", "async"):
+        raise _fail("--mode must be sync or async")
+    try:
+        load_workload(workload)
+    except WorkloadError as e:
+        raise _fail(str(e)) from None
+    if workers > (os.cpu_count() or 1):
+        err.print(f"[yellow]note:[/yellow] {workers} workers on {os.cpu_count()} cores share cores")
+    opts = LocalOptions(
+        workers=workers, policies=policies, workload=workload, trajectories=trajectories,
+        seed=seed, mode=mode, redis_url=redis_url or None, workdir=workdir, live=live,
+    )  # fmt: skip
+    try:
+        code = asyncio.run(run_local(opts, _out()))
+    except KeyboardInterrupt:
+        err.print("interrupted: every process started was stopped")
+        code = 130
+    raise typer.Exit(code)
 
 
 def main() -> None:
