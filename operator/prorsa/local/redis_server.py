@@ -10,7 +10,8 @@ from prorsa.local.processes import Child, free_port
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, persist: bool = False) -> None:
+        """`persist`: an append-only file, so a restarted server keeps its data."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(
@@ -23,7 +24,8 @@ class RedisServer:
             "redis",
             [
                 binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(workdir),
+                "--save", "", "--appendonly", "yes" if persist else "no",
+                "--appendfsync", "everysec", "--dir", str(workdir),
             ],
             workdir / "redis.log",
         )  # fmt: skip

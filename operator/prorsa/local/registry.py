@@ -61,6 +61,20 @@ class Registry:
             mapping={"ready": "1" if ready else "0", "heartbeat": repr(time.time())},
         )
 
+    async def heartbeat(self, name: str, url: str, role: Role, ready: bool) -> bool:
+        """Refresh the heartbeat; re-register a worker whose entry vanished (Redis restarted
+        without its data). True when it had to re-register."""
+        key = self.keys.worker(name)
+        if await self.redis.hexists(key, "url"):
+            await self.redis.hset(key, "heartbeat", repr(time.time()))
+            return False
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"url": url, "role": role.value, "ready": "1" if ready else "0",
+                                "heartbeat": repr(time.time())})  # fmt: skip
+        pipe.sadd(self.keys.registry, name)
+        await pipe.execute()
+        return True
+
     async def set_engine_pid(self, name: str, pid: int) -> None:
         """The engine's process (group) id, for operators and fault tests on this host."""
         await self.redis.hset(self.keys.worker(name), "pid", str(pid))

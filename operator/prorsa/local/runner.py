@@ -174,7 +174,7 @@ async def run_local(opts: LocalOptions, console: Console) -> int:
     model = opts.workdir / "tiny-llama"
     console.print("• model: " + ("cached" if (model / "config.json").exists() else "generating"))
     make_tiny_model(model)
-    server = None if opts.redis_url else RedisServer(opts.workdir / "redis").start()
+    server = None if opts.redis_url else RedisServer(opts.workdir / "redis", persist=True).start()
     redis_url = opts.redis_url or server.url  # type: ignore[union-attr]
     console.print(f"• redis: {redis_url}")
     stack = LocalStack(StackConfig(model=model, workdir=opts.workdir / "logs",

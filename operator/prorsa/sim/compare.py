@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from prorsa.policy.allocate import make_policy
-from prorsa.sim.costmodel import CostModel
+from prorsa.sim.costmodel import Cost
 from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
 from prorsa.sim.oracle import oracle_forecast
 from prorsa.sim.workload import WorkloadSpec, generate
@@ -25,7 +25,7 @@ Progress = Callable[[str, float], None]
 
 
 def run_policy(
-    cost: CostModel,
+    cost: Cost,
     spec: WorkloadSpec,
     config: SimConfig,
     policy: str,
@@ -118,7 +118,7 @@ class Comparison:
 
 
 def compare(
-    cost: CostModel,
+    cost: Cost,
     spec: WorkloadSpec,
     config: SimConfig,
     policies: Sequence[str] = ALL_POLICIES,

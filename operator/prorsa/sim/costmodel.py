@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from prorsa.policy.capacity import RoleCapacity
 
@@ -239,3 +240,70 @@ def preset(name: str, switch_mode: str = "routing", dp_attention: bool = False) 
 def lognormal_sigma(median: float, p99: float) -> float:
     """Log-space std of a log-normal with the given median and 99th percentile."""
     return math.log(p99 / median) / 2.3263478740408408
+
+
+class Cost(Protocol):
+    """What the simulator asks of a cost model (`CostModel` or `MeasuredCost`)."""
+
+    @property
+    def eff(self) -> Efficiency: ...
+    @property
+    def switch_mode(self) -> str: ...
+    @property
+    def kv_capacity_tokens(self) -> float: ...
+    @property
+    def restart_s(self) -> float: ...
+    def prefill_s(self, new_tokens: float, context: float) -> float: ...
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float: ...
+    def mixed_step_s(
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float
+    ) -> float: ...
+    def kv_transfer_s(self, tokens: float) -> float: ...
+    def role_capacity(self) -> RoleCapacity: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCost:
+    """A cost model fitted to a real worker instead of derived from a datasheet: prefill is a
+    fixed cost plus tokens over a measured throughput, a decode step a measured base plus a
+    per-sequence cost, a chunked-prefill step the two added. Used to check the simulator
+    against real vLLM workers (`benchmarks/sim_vs_real.py`)."""
+
+    prefill_tokens_per_s: float
+    prefill_fixed_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    kv_capacity: float
+    transfer_s: float = 0.005  # one NIXL pull between workers on one host
+    switch_mode: str = "routing"
+    eff: Efficiency = Efficiency(chunk_tokens=2048)
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        return self.kv_capacity
+
+    @property
+    def restart_s(self) -> float:
+        return 0.0
+
+    def prefill_s(self, new_tokens: float, context: float) -> float:
+        return self.prefill_fixed_s + max(new_tokens, 0.0) / self.prefill_tokens_per_s
+
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float:
+        return 0.0 if batch <= 0 else self.decode_base_s + self.decode_per_seq_s * batch
+
+    def mixed_step_s(self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float) -> float:
+        base = self.decode_step_s(batch, kv_tokens) if batch > 0 else self.prefill_fixed_s
+        return base + chunk / self.prefill_tokens_per_s
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        return self.transfer_s
+
+    def role_capacity(self) -> RoleCapacity:
+        return RoleCapacity(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_base_step_s=self.decode_base_s,
+            decode_s_per_seq=self.decode_per_seq_s,
+            decode_s_per_kv_token=0.0,
+            kv_capacity_tokens=self.kv_capacity,
+        )

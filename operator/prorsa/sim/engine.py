@@ -38,7 +38,7 @@ from prorsa.policy.forecast import (
 )
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
 from prorsa.policy.placement import PlacementSettings, overloaded, pool_worthy, stays_local
-from prorsa.sim.costmodel import CostModel
+from prorsa.sim.costmodel import Cost
 from prorsa.sim.workload import TrajectoryScript
 
 Mode = Literal["sync", "async"]
@@ -198,7 +198,7 @@ class SimResult:
 class Simulator:
     def __init__(
         self,
-        cost: CostModel,
+        cost: Cost,
         scripts: list[TrajectoryScript],
         config: SimConfig,
         policy: Policy | None = None,

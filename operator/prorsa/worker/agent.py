@@ -175,6 +175,7 @@ class Agent:
         started = time.monotonic()
         last_ok = started
         next_role_poll = 0.0
+        next_heartbeat = started + 5.0
         exited = asyncio.create_task(proc.wait())
         stop = asyncio.create_task(self.stopping.wait())
         try:
@@ -202,10 +203,23 @@ class Agent:
                     next_role_poll = now + self.cfg.role_poll_s
                     if await self._role_changed():
                         return "role"
+                if now >= next_heartbeat:
+                    next_heartbeat = now + 5.0
+                    await self._heartbeat()
         finally:
             stop.cancel()
             if not exited.done():
                 exited.cancel()
+
+    async def _heartbeat(self) -> None:
+        if self.registry is None:
+            return
+        try:
+            if await self.registry.heartbeat(self.cfg.name, self.cfg.advertise_url, self.role,
+                                             self.ready):  # fmt: skip
+                log.warning("registry entry was gone (Redis restarted?): registered again")
+        except (RedisError, OSError):
+            pass  # Redis away: the router keeps its last snapshot; try again next beat
 
     def _pin(self, pgid: int) -> None:
         if self.cfg.spec.cpu_cores is None or not hasattr(os, "sched_setaffinity"):
@@ -270,6 +284,8 @@ class Agent:
                     await self._drain(session)
                 await self._terminate(proc)
                 return
+            if why == "role" and proc.returncode is None:
+                await self._drain(session)  # KV a decode still pulls, requests still queued
             await self._publish_ready(False)
             await self._terminate(proc)
             if why == "role":
