@@ -58,7 +58,9 @@ def test_relabel_restarts_the_engine_into_its_new_kv_role(restart_stack: LocalSt
             assert before.status == 200 and len(before.token_ids) == 8
             assert "(kv_producer)" in agent_log.read_text()
 
-            out = await switch(LocalCluster(r, KEYS), "worker-0", Role.DECODE, settle_s=1.0)
+            out = await switch(
+                LocalCluster(r, KEYS), "worker-0", Role.DECODE, settle_s=1.0, engine_check=True
+            )
             assert out is SwitchOutcome.DONE
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:

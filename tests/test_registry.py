@@ -128,3 +128,31 @@ def test_a_new_controller_finishes_a_half_done_switch(redis_url: str) -> None:
             assert w.role is Role.DECODE and not w.draining
 
     asyncio.run(main())
+
+
+def test_switch_waits_for_the_engine_too_when_routers_report_zero(redis_url: str) -> None:
+    """The engine's own metrics say a request still runs (a client went around the routers):
+    the drain is not done, and times out into a rollback."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text='vllm:num_requests_running{engine="0"} 1.0\n')
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        async with TestServer(app) as engine, Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            url = str(engine.make_url("")).rstrip("/")
+            await cluster.registry.register("w0", url, Role.DECODE)
+            stop = asyncio.Event()
+            idle = asyncio.create_task(_report(r, "w0", 0, 0, stop))
+            out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.8, settle_s=0.1,
+                               engine_check=True)  # fmt: skip
+            stop.set()
+            await idle
+            assert out is SwitchOutcome.ROLLED_BACK
+            assert await cluster.engine_inflight("w0") == 1
+
+    asyncio.run(main())

@@ -370,6 +370,9 @@ def controller(
         _DEFAULTS.max_switches_per_decision
     ),
     drain_timeout: Annotated[float, typer.Option(min=1, help="roll a switch back after")] = 120.0,
+    switch_mode: Annotated[str, typer.Option(help="the workers' mode: routing or restart")] = (
+        "routing"
+    ),
     capacity: Annotated[str, typer.Option(help="worker capacity model: a simulate preset")] = (
         "h200"
     ),
@@ -391,6 +394,8 @@ def controller(
     _logging(log_level)
     if mode not in ("sync", "async"):
         raise _fail("--mode must be sync or async")
+    if switch_mode not in ("routing", "restart"):
+        raise _fail("--switch-mode must be routing or restart")
     try:
         keys = ClusterKeys.parse(cluster)
         settings = replace(
@@ -421,6 +426,7 @@ def controller(
                 role_capacity,
                 mode=mode,  # type: ignore[arg-type]
                 drain_timeout_s=drain_timeout,
+                switch_mode=switch_mode,
             ),
         )
         stop = asyncio.Event()

@@ -48,3 +48,8 @@ class Cluster(Protocol):
     async def cancel_drain(self, name: str) -> None:
         """Clear the drain marks, keeping the old role (a rollback)."""
         ...
+
+    async def engine_inflight(self, name: str) -> int | None:
+        """Requests running or queued in the worker's engine, from its own metrics (None when
+        it cannot be asked): the cross-check of the routers' reports."""
+        ...

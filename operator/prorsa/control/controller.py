@@ -49,6 +49,7 @@ class ControllerConfig:
     drain_timeout_s: float = 120.0
     settle_s: float = 1.0  # routers' discovery lag: see control.switch
     read_block_ms: int = 250
+    switch_mode: str = "routing"  # restart: a drain also waits for the engine to be idle
     max_backoff_s: float = 10.0
 
 
@@ -105,6 +106,7 @@ class Controller:
                 out = await switch(
                     self.cluster, worker, to_role,
                     drain_timeout_s=self.config.drain_timeout_s, settle_s=self.config.settle_s,
+                    engine_check=self.config.switch_mode == "restart",
                 )  # fmt: skip
             finally:
                 self._switching.pop(worker, None)

@@ -36,6 +36,16 @@ async def _status(cluster: Cluster, name: str, retry_s: float) -> WorkerStatus |
             await asyncio.sleep(retry_s)
 
 
+async def _engine_agrees(cluster: Cluster, w: WorkerStatus) -> bool:
+    """The engine runs no more than the routers account for: no router forgot to report, and
+    no client reaches the worker around the routers."""
+    try:
+        busy = await cluster.engine_inflight(w.name)
+    except ClusterUnavailable:
+        return False
+    return busy is None or busy <= w.inflight.total
+
+
 async def switch(
     cluster: Cluster,
     name: str,
@@ -44,7 +54,11 @@ async def switch(
     drain_timeout_s: float = 120.0,
     settle_s: float = 1.0,
     poll_s: float = 0.2,
+    engine_check: bool = False,
 ) -> SwitchOutcome:
+    """`engine_check`: also require the engine's own metrics to agree (switch mode `restart`,
+    where a draining worker gets no new work at all and its engine is about to restart; in
+    `routing` mode it may already run work of its new role that no report has counted yet)."""
     w = await _status(cluster, name, poll_s)
     if w is None or (w.role is target and not w.draining):
         return SwitchOutcome.SKIPPED
@@ -52,7 +66,11 @@ async def switch(
         await cluster.mark_draining(name, target)
     marked = time.time()
     deadline = time.monotonic() + drain_timeout_s
-    while not (w.inflight.as_of >= marked + settle_s and w.old_role_inflight() == 0):
+    while not (
+        w.inflight.as_of >= marked + settle_s
+        and w.old_role_inflight() == 0
+        and (not engine_check or await _engine_agrees(cluster, w))
+    ):
         if time.monotonic() > deadline:
             log.warning(
                 "switch %s %s->%s: %d in flight after %.0fs; rolling back",

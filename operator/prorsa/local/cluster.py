@@ -14,6 +14,7 @@ from prorsa.events.inflight import Inflight
 from prorsa.events.keys import ClusterKeys
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
+from prorsa.worker.agent import engine_requests
 
 
 class LocalCluster:
@@ -50,6 +51,11 @@ class LocalCluster:
     async def cancel_drain(self, name: str) -> None:
         async with _redis():
             await self.registry.cancel_drain(name)
+
+    async def engine_inflight(self, name: str) -> int | None:
+        async with _redis():
+            url = next((r.url for r in await self.registry.list() if r.name == name), None)
+        return None if url is None else await engine_requests(url)
 
 
 @asynccontextmanager

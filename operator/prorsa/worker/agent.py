@@ -67,20 +67,29 @@ def pin_process_group(pgid: int, cores: set[int]) -> int:
     return pinned
 
 
-async def engine_idle(session: aiohttp.ClientSession, url: str) -> bool:
-    """True when the engine has nothing running or waiting (from its Prometheus metrics)."""
+async def engine_requests(url: str, session: aiohttp.ClientSession | None = None) -> int | None:
+    """Requests running or waiting in the engine (its Prometheus metrics); None when it does
+    not answer."""
     try:
+        if session is None:
+            async with aiohttp.ClientSession() as s:
+                return await engine_requests(url, s)
         async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
             text = await r.text()
     except (aiohttp.ClientError, TimeoutError):
-        return True  # nothing answers: nothing to wait for
+        return None
     busy = 0.0
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
             with contextlib.suppress(ValueError, IndexError):
                 busy += float(line.rsplit(" ", 1)[1])
-    return busy == 0
+    return round(busy)
+
+
+async def engine_idle(session: aiohttp.ClientSession, url: str) -> bool:
+    """True when the engine has nothing running or waiting (or does not answer at all)."""
+    return not await engine_requests(url, session)
 
 
 class Agent:
