@@ -518,6 +518,25 @@ def local(
     raise typer.Exit(code)
 
 
+@app.command()
+def crd(
+    out: Annotated[
+        Path | None, typer.Option(help="write the CRD here (a file or a directory)")
+    ] = None,
+) -> None:
+    """Print (or write) the RolloutCluster CRD generated from the API models."""
+    from prorsa.api.crd import render
+    from prorsa.api.models import GROUP, PLURAL
+
+    text = render()
+    if out is None:
+        sys.stdout.write(text)
+        return
+    path = out / f"{PLURAL}.{GROUP}.yaml" if out.is_dir() else out
+    path.write_text(text)
+    err.print(f"wrote {path}")
+
+
 def main() -> None:
     try:
         app()

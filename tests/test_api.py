@@ -1,0 +1,155 @@
+"""The RolloutCluster API: models, the generated CRD (no drift, structural), and example specs
+validated both by the models and by the CRD's schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from prorsa.api import crd as crd_mod
+from prorsa.api.models import RolloutClusterSpec, parse_spec
+from prorsa.policy.allocate import AllocationSettings
+
+CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "rolloutclusters.prorsa.io.yaml"
+
+
+def test_crds_directory_matches_the_models() -> None:
+    assert CRD_FILE.read_text() == crd_mod.render(), (
+        "crds/ drifted from operator/prorsa/api/models.py: run `prorsa crd --out crds/`"
+    )
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        out.append((path, node))
+        for k, v in node.get("properties", {}).items():
+            out += _walk(v, f"{path}.{k}")
+        if isinstance(node.get("items"), dict):
+            out += _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            out += _walk(node["additionalProperties"], f"{path}{{}}")
+    return out
+
+
+def _schema() -> dict[str, Any]:
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]  # type: ignore[no-any-return]
+
+
+def test_the_schema_is_structural() -> None:
+    for path, node in _walk(_schema()):
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "title", "$defs"):
+            assert banned not in node, f"{path} has {banned}"
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        if "properties" in node:
+            assert node["type"] == "object" and "additionalProperties" not in node, path
+
+
+def test_subresources_columns_and_names() -> None:
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    spec = doc["spec"]
+    assert spec["names"]["shortNames"] == ["rcl"] and spec["scope"] == "Namespaced"
+    version = spec["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
+    assert "status" in version["subresources"]
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names == ["Policy", "Prefill", "Decode", "Ready", "Phase", "Age"]
+    rules = _schema()["properties"]["spec"]["x-kubernetes-validations"]
+    assert any("minPrefill + self.allocation.minDecode" in r["rule"] for r in rules)
+
+
+def _openapi_to_jsonschema(node: Any) -> Any:
+    """`nullable` is OpenAPI's; JSON Schema says it with a type list."""
+    if isinstance(node, dict):
+        out = {k: _openapi_to_jsonschema(v) for k, v in node.items()
+               if not k.startswith("x-kubernetes")}  # fmt: skip
+        if out.pop("nullable", False) and "type" in out:
+            out["type"] = [out["type"], "null"]
+        if out.get("exclusiveMinimum") is True:
+            out["exclusiveMinimum"] = out.pop("minimum")
+        return out
+    if isinstance(node, list):
+        return [_openapi_to_jsonschema(v) for v in node]
+    return node
+
+
+def _crd_valid(spec: dict[str, Any]) -> bool:
+    schema = _openapi_to_jsonschema(_schema()["properties"]["spec"])
+    try:
+        jsonschema.validate(spec, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+GOOD = [
+    {"model": {"name": "Qwen/Qwen3-8B"}},
+    {
+        "model": {"name": "/models/llama", "servedName": "policy"},
+        "workers": {"replicas": 16, "gpusPerWorker": 1, "engineArgs": ["--max-model-len", "32768"],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                    "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    "affinity": {"nodeAffinity": {"anything": ["goes"]}}},
+        "kvTransfer": {"connector": "nixl", "switchMode": "restart"},
+        "allocation": {"policy": "static", "staticPrefill": 4, "minPrefill": 1, "minDecode": 2},
+        "redis": {"url": "redis://redis:6379/0", "passwordSecretRef": {"name": "redis-auth"}},
+        "router": {"replicas": 2, "serviceType": "LoadBalancer"},
+        "trainer": {"template": {"spec": {"containers": [{"name": "t", "image": "trainer"}]}}},
+    },
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", GOOD)
+def test_good_specs_pass_models_and_schema(spec: dict[str, Any]) -> None:
+    parse_spec(spec)
+    assert _crd_valid(spec)
+
+
+def test_defaults_come_from_the_policy_settings() -> None:
+    spec = parse_spec({"model": {"name": "m"}})
+    assert spec.workers.replicas == 2 and spec.redis.managed and spec.router.port == 8080
+    assert spec.allocation.settings() == AllocationSettings()
+
+
+BAD_BOTH = [  # rejected by the schema (what kubectl apply sees) and by the models
+    ({"model": {"name": "m"}, "workers": {"replicas": 0}}, "replicas"),
+    ({"model": {"name": "m"}, "allocation": {"policy": "magic"}}, "policy"),
+    ({"model": {"name": ""}}, "name"),
+    ({"workers": {"replicas": 2}}, "model"),
+    ({"model": {"name": "m"}, "router": {"serviceType": "Ingress"}}, "serviceType"),
+    ({"model": {"name": "m"}, "redis": {"url": "http://x"}}, "url"),
+    ({"model": {"name": "m"}, "allocation": {"intervalSeconds": 0}}, "intervalSeconds"),
+]
+BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refuse them
+    ({"model": {"name": "m"}, "workers": {"replicas": 2},
+      "allocation": {"minPrefill": 2, "minDecode": 1}}, "minPrefill \\+ minDecode"),
+    ({"model": {"name": "m"}, "workers": {"replicas": 4},
+      "allocation": {"policy": "static", "staticPrefill": 4}}, "staticPrefill"),
+    ({"model": {"name": "m"}, "redis": {"url": "redis://r:6379", "managed": True}},
+     "exactly one"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "field"), BAD_BOTH)
+def test_bad_specs_fail_both_with_the_field_named(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        RolloutClusterSpec.model_validate(spec)
+    assert not _crd_valid(spec)
+
+
+@pytest.mark.parametrize(("spec", "message"), BAD_CROSS_FIELD)
+def test_cross_field_rules(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RolloutClusterSpec.model_validate(spec)
+    assert _crd_valid(spec)  # only CEL catches these at the API server
+
+
+def test_unknown_fields_are_refused_by_the_models() -> None:
+    with pytest.raises(ValidationError, match="replicaz"):
+        parse_spec({"model": {"name": "m"}, "workers": {"replicaz": 3}})
