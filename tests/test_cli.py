@@ -60,3 +60,13 @@ def test_unknown_policy_and_mode_are_rejected() -> None:
     assert res.exit_code == 2 and "magic" in res.output
     res = runner.invoke(app, ["simulate", "--mode", "sometimes", *SMALL])
     assert res.exit_code == 2
+
+
+def test_redis_password_from_the_environment_joins_the_url(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from prorsa.cli import _with_password
+
+    monkeypatch.setenv("REDIS_PASSWORD", "s3cr/t")
+    assert _with_password("redis://r:6379/0") == "redis://:s3cr%2Ft@r:6379/0"
+    assert _with_password("redis://:own@r:6379/0") == "redis://:own@r:6379/0"
+    monkeypatch.delenv("REDIS_PASSWORD")
+    assert _with_password("redis://r:6379/0") == "redis://r:6379/0"

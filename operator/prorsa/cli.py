@@ -178,6 +178,20 @@ def _logging(level: str) -> None:
     )
 
 
+def _with_password(url: str) -> str:
+    """Add `REDIS_PASSWORD` (from a Secret, in Kubernetes) to a Redis URL that has none."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    password = os.environ.get("REDIS_PASSWORD")
+    parts = urlsplit(url)
+    if not url or not password or parts.password:
+        return url
+    netloc = f"{parts.username or ''}:{quote(password, safe='')}@{parts.hostname}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _fail(message: str) -> typer.Exit:
     err.print(f"[red]error:[/red] {message}")
     return typer.Exit(2)
@@ -244,6 +258,7 @@ def worker(
         raise _fail(f"model path {model} does not exist")
     if bool(redis_url) != bool(cluster):
         raise _fail("--redis-url and --cluster go together (the local registry)")
+    redis_url = _with_password(redis_url)
     worker_name = name or socket.gethostname()
 
     async def main() -> int:
@@ -305,6 +320,7 @@ def router(
     from prorsa.router.tokens import TokenCounter
 
     _logging(log_level)
+    redis_url = _with_password(redis_url)
     try:
         keys = ClusterKeys.parse(cluster)
         counter = TokenCounter(tokenizer)
@@ -396,6 +412,7 @@ def controller(
         raise _fail("--mode must be sync or async")
     if switch_mode not in ("routing", "restart"):
         raise _fail("--switch-mode must be routing or restart")
+    redis_url = _with_password(redis_url)
     try:
         keys = ClusterKeys.parse(cluster)
         settings = replace(

@@ -1,0 +1,204 @@
+"""Kubernetes objects of one RolloutCluster, as pure functions of its spec (no I/O).
+
+Workers are Pods owned directly by the RolloutCluster, not a StatefulSet or Deployment:
+their role label changes while they run (a workload controller whose selector or template held
+the role would orphan or replace them), and scaling down must remove the idle workers first,
+where a StatefulSet always removes the highest ordinal. The role label is in no workload
+selector; only the per-role headless Services select on it, which is their purpose.
+Every object carries an owner reference to the RolloutCluster, so deleting it deletes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prorsa.api.models import DEFAULT_OPERATOR_IMAGE, GROUP, KIND, VERSION, RolloutClusterSpec
+from prorsa.kube import labels as L
+from prorsa.policy.allocate import Role
+
+PROBE_PORT = 8081
+SIDE_CHANNEL_PORT = 5600
+LABELS_DIR = "/etc/prorsa"
+REDIS_IMAGE = "redis:7.4.2-alpine"
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def _meta(name: str, namespace: str, owner: dict[str, Any], component: str, cluster: str,
+          **labels: str) -> dict[str, Any]:  # fmt: skip
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": {L.CLUSTER: cluster, L.COMPONENT: component, **labels},
+        "ownerReferences": [owner],
+    }
+
+
+def redis_url(cluster: str, spec: RolloutClusterSpec) -> str:
+    return spec.redis.url or f"redis://{cluster}-redis:6379/0"
+
+
+def redis_password_env(cluster: str, spec: RolloutClusterSpec) -> list[dict[str, Any]]:
+    ref = spec.redis.passwordSecretRef
+    if spec.redis.managed:
+        ref_name, key = f"{cluster}-redis", "password"
+    elif ref is not None:
+        ref_name, key = ref.name, ref.key
+    else:
+        return []
+    return [{"name": "REDIS_PASSWORD",
+             "valueFrom": {"secretKeyRef": {"name": ref_name, "key": key}}}]  # fmt: skip
+
+
+def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
+               index: int, role: Role) -> dict[str, Any]:  # fmt: skip
+    w = spec.workers
+    name = f"{cluster}-worker-{index}"
+    meta = _meta(name, namespace, owner, L.WORKER, cluster, **{L.ROLE: role.value})
+    meta["annotations"] = {L.PORT: str(w.port)}
+    limits = {**w.resources.limits}
+    limits.setdefault("nvidia.com/gpu", str(w.gpusPerWorker))
+    args = [
+        "worker", "--model", spec.model.name, "--name", name, "--port", str(w.port),
+        "--role", role.value, "--role-file", f"{LABELS_DIR}/labels",
+        "--connector", spec.kvTransfer.connector, "--switch-mode", spec.kvTransfer.switchMode,
+        "--side-channel-host", "$(POD_IP)", "--side-channel-port", str(SIDE_CHANNEL_PORT),
+        "--probe-port", str(PROBE_PORT),
+        "--drain-timeout", f"{spec.allocation.drainTimeoutSeconds:g}",
+    ]  # fmt: skip
+    if spec.model.servedName:
+        args += ["--served-model-name", spec.model.servedName]
+    if w.gpusPerWorker > 1 and "--tensor-parallel-size" not in w.engineArgs:
+        args += ["--", "--tensor-parallel-size", str(w.gpusPerWorker), *w.engineArgs]
+    elif w.engineArgs:
+        args += ["--", *w.engineArgs]
+    pod_spec: dict[str, Any] = {
+        "containers": [{
+            "name": "worker",
+            "image": w.image,
+            "args": args,
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "ports": [
+                {"name": "http", "containerPort": w.port},
+                {"name": "nixl", "containerPort": SIDE_CHANNEL_PORT},
+                {"name": "probe", "containerPort": PROBE_PORT},
+            ],
+            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "probe"},
+                               "periodSeconds": 2, "failureThreshold": 1},
+            "livenessProbe": {"httpGet": {"path": "/healthz", "port": "probe"},
+                              "periodSeconds": 10, "failureThreshold": 6},
+            "resources": {"requests": dict(w.resources.requests), "limits": limits},
+            "volumeMounts": [{"name": "podinfo", "mountPath": LABELS_DIR, "readOnly": True}],
+        }],
+        "volumes": [{"name": "podinfo", "downwardAPI": {
+            "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}],
+        "terminationGracePeriodSeconds": int(spec.allocation.drainTimeoutSeconds) + 30,
+        "nodeSelector": dict(w.nodeSelector),
+        "tolerations": [t.model_dump() for t in w.tolerations],
+    }  # fmt: skip
+    if w.affinity is not None:
+        pod_spec["affinity"] = w.affinity.model_dump()
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def router_deployment(cluster: str, namespace: str, owner: dict[str, Any],
+                      spec: RolloutClusterSpec, image: str = DEFAULT_OPERATOR_IMAGE
+                      ) -> dict[str, Any]:  # fmt: skip
+    labels = {L.CLUSTER: cluster, L.COMPONENT: L.ROUTER}
+    args = [
+        "router", "--cluster", f"{namespace}/{cluster}", "--redis-url", redis_url(cluster, spec),
+        "--discovery", "kubernetes", "--switch-mode", spec.kvTransfer.switchMode,
+        "--port", str(spec.router.port),
+    ]  # fmt: skip
+    container = {
+        "name": "router",
+        "image": image,
+        "args": args,
+        "env": redis_password_env(cluster, spec),
+        "ports": [{"name": "http", "containerPort": spec.router.port}],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10},
+        "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }  # fmt: skip
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(f"{cluster}-router", namespace, owner, L.ROUTER, cluster),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"serviceAccountName": f"{cluster}-router", "containers": [container]},
+            },
+        },
+    }
+
+
+def router_service(cluster: str, namespace: str, owner: dict[str, Any],
+                   spec: RolloutClusterSpec) -> dict[str, Any]:  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cluster, namespace, owner, L.ROUTER, cluster),
+        "spec": {
+            "type": spec.router.serviceType,
+            "selector": {L.CLUSTER: cluster, L.COMPONENT: L.ROUTER},
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http"}],
+        },
+    }
+
+
+def role_service(cluster: str, namespace: str, owner: dict[str, Any], role: Role,
+                 spec: RolloutClusterSpec) -> dict[str, Any]:  # fmt: skip
+    """Headless: DNS names of the workers currently in `role` (for tools and debugging)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(f"{cluster}-{role.value}", namespace, owner, L.WORKER, cluster),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": {L.CLUSTER: cluster, L.COMPONENT: L.WORKER, L.ROLE: role.value},
+            "ports": [{"name": "http", "port": spec.workers.port, "targetPort": "http"}],
+        },
+    }
+
+
+def router_rbac(cluster: str, namespace: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router watches its cluster's worker pods and nothing else."""
+    name = f"{cluster}-router"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": _meta(name, namespace, owner, L.ROUTER, cluster)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": _meta(name, namespace, owner, L.ROUTER, cluster),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _meta(name, namespace, owner, L.ROUTER, cluster),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+    ]  # fmt: skip
+
+
+def endpoint(cluster: str, namespace: str, spec: RolloutClusterSpec) -> str:
+    return f"http://{cluster}.{namespace}.svc:{spec.router.port}/v1"
+
+
+def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
+             roles: list[Role]) -> list[dict[str, Any]]:  # fmt: skip
+    """Everything the cluster needs besides a managed Redis, in creation order."""
+    owner = owner_reference(cluster, uid)
+    objs = [
+        *router_rbac(cluster, namespace, owner),
+        router_service(cluster, namespace, owner, spec),
+    ]
+    objs += [role_service(cluster, namespace, owner, r, spec) for r in (Role.PREFILL, Role.DECODE)]
+    objs.append(router_deployment(cluster, namespace, owner, spec))
+    objs += [worker_pod(cluster, namespace, owner, spec, i, r) for i, r in enumerate(roles)]
+    return objs

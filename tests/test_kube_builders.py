@@ -1,0 +1,75 @@
+"""The Kubernetes objects of a RolloutCluster, built from its spec (pure functions)."""
+
+from __future__ import annotations
+
+from prorsa.api.models import parse_spec
+from prorsa.kube import builders as b
+from prorsa.kube import labels as L
+from prorsa.policy.allocate import Role
+from prorsa.worker.roles import parse_labels
+
+SPEC = parse_spec({
+    "model": {"name": "Qwen/Qwen3-8B", "servedName": "policy"},
+    "workers": {"replicas": 3, "gpusPerWorker": 2, "engineArgs": ["--max-model-len", "32768"],
+                "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+    "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "auth", "key": "pw"}},
+})  # fmt: skip
+
+
+def objs() -> list[dict]:  # type: ignore[type-arg]
+    return b.children("rl", "team", "uid-1", SPEC, [Role.PREFILL, Role.DECODE, Role.DECODE])
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    for o in objs():
+        meta = o["metadata"]
+        assert meta["namespace"] == "team" and meta["labels"][L.CLUSTER] == "rl"
+        [owner] = meta["ownerReferences"]
+        assert owner["uid"] == "uid-1" and owner["controller"] and owner["kind"] == "RolloutCluster"
+
+
+def test_the_role_label_is_in_no_workload_selector() -> None:
+    for o in objs():
+        if o["kind"] in ("Deployment", "StatefulSet", "ReplicaSet"):
+            assert L.ROLE not in o["spec"]["selector"]["matchLabels"]
+            assert L.ROLE not in o["spec"]["template"]["metadata"]["labels"]
+    roles = {o["metadata"]["name"]: o["spec"]["selector"] for o in objs()
+             if o["kind"] == "Service" and o["spec"].get("clusterIP") == "None"}  # fmt: skip
+    assert roles == {
+        "rl-prefill": {L.CLUSTER: "rl", L.COMPONENT: L.WORKER, L.ROLE: "prefill"},
+        "rl-decode": {L.CLUSTER: "rl", L.COMPONENT: L.WORKER, L.ROLE: "decode"},
+    }
+
+
+def test_worker_pods_read_their_role_from_their_own_labels() -> None:
+    pods = [o for o in objs() if o["kind"] == "Pod"]
+    assert [p["metadata"]["labels"][L.ROLE] for p in pods] == ["prefill", "decode", "decode"]
+    pod = pods[0]
+    c = pod["spec"]["containers"][0]
+    args = c["args"]
+    assert args[args.index("--role-file") + 1] == "/etc/prorsa/labels"
+    assert pod["spec"]["volumes"][0]["downwardAPI"]["items"][0]["fieldRef"] == {
+        "fieldPath": "metadata.labels"
+    }
+    # the agent parses exactly what the kubelet writes for those labels
+    written = "\n".join(f'{k}="{v}"' for k, v in pod["metadata"]["labels"].items())
+    assert parse_labels(written)[L.ROLE] == "prefill"
+    assert args[-4:] == ["--tensor-parallel-size", "2", "--max-model-len", "32768"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["metadata"]["annotations"][L.PORT] == "8000"
+    assert "$(POD_IP)" in args and pod["spec"]["tolerations"] == [
+        {"key": "gpu", "operator": "Exists"}
+    ]
+
+
+def test_router_points_at_redis_with_the_secret_and_watches_pods() -> None:
+    dep = next(o for o in objs() if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--redis-url") + 1] == "redis://r:6379/0"
+    assert c["env"] == [{"name": "REDIS_PASSWORD",
+                         "valueFrom": {"secretKeyRef": {"name": "auth", "key": "pw"}}}]  # fmt: skip
+    assert c["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    role = next(o for o in objs() if o["kind"] == "Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert b.endpoint("rl", "team", SPEC) == "http://rl.team.svc:8080/v1"
