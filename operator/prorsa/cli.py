@@ -554,6 +554,47 @@ def crd(
     err.print(f"wrote {path}")
 
 
+@app.command("operator")
+def run_operator(
+    namespace: Annotated[
+        list[str] | None, typer.Option(help="namespace to watch (repeatable)")
+    ] = None,
+    all_namespaces: Annotated[bool, typer.Option(help="watch every namespace")] = False,
+    standalone: Annotated[bool, typer.Option(help="no peering with other replicas")] = False,
+    peering: Annotated[str, typer.Option(help="kopf peering name (replicas elect one)")] = (
+        "prorsa"
+    ),
+    liveness_port: Annotated[int, typer.Option(help="/healthz port (0: off)")] = 8080,
+    log_format: Annotated[str, typer.Option(help="plain or json")] = "plain",
+    log_level: Annotated[str, typer.Option(help="logging level")] = "info",
+) -> None:
+    """Run the Kubernetes operator (kopf underneath) for RolloutCluster objects."""
+    import asyncio
+
+    import kopf
+
+    from prorsa.kube import handlers  # noqa: F401  (registers the handlers)
+
+    if bool(namespace) == all_namespaces:
+        raise _fail("give --namespace (one or more) or --all-namespaces")
+    if log_format not in ("plain", "json"):
+        raise _fail("--log-format must be plain or json")
+    kopf.configure(
+        verbose=log_level == "debug",
+        log_format=kopf.LogFormat.JSON if log_format == "json" else kopf.LogFormat.PLAIN,
+    )
+    liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
+    asyncio.run(
+        kopf.operator(
+            clusterwide=all_namespaces,
+            namespaces=namespace or [],
+            standalone=standalone,
+            peering_name=peering,
+            liveness_endpoint=liveness,
+        )
+    )
+
+
 def main() -> None:
     try:
         app()

@@ -186,6 +186,42 @@ def router_rbac(cluster: str, namespace: str, owner: dict[str, Any]) -> list[dic
     ]  # fmt: skip
 
 
+def managed_redis(cluster: str, namespace: str, owner: dict[str, Any]) -> list[dict[str, Any]]:
+    """A single Redis for the cluster's events and in-flight counts, password from the
+    `<cluster>-redis` Secret (created once by the operator)."""
+    name = f"{cluster}-redis"
+    labels = {L.CLUSTER: cluster, L.COMPONENT: "redis"}
+    container = {
+        "name": "redis",
+        "image": REDIS_IMAGE,
+        "args": ["--requirepass", "$(REDIS_PASSWORD)", "--appendonly", "yes"],
+        "env": [{"name": "REDIS_PASSWORD",
+                 "valueFrom": {"secretKeyRef": {"name": name, "key": "password"}}}],
+        "ports": [{"name": "redis", "containerPort": 6379}],
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 999,
+                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }  # fmt: skip
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": _meta(name, namespace, owner, "redis", cluster),
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": labels},
+                               "spec": {"containers": [container]}}}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": _meta(name, namespace, owner, "redis", cluster),
+         "spec": {"selector": labels, "ports": [{"name": "redis", "port": 6379,
+                                                 "targetPort": "redis"}]}},
+    ]  # fmt: skip
+
+
+def redis_secret(cluster: str, namespace: str, owner: dict[str, Any], password: str
+                 ) -> dict[str, Any]:  # fmt: skip
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(f"{cluster}-redis", namespace, owner, "redis", cluster),
+            "stringData": {"password": password}}  # fmt: skip
+
+
 def endpoint(cluster: str, namespace: str, spec: RolloutClusterSpec) -> str:
     return f"http://{cluster}.{namespace}.svc:{spec.router.port}/v1"
 

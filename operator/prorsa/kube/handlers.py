@@ -1,0 +1,207 @@
+"""kopf handlers of the RolloutCluster: small, idempotent, state kept on the objects.
+
+`reconcile` runs on create, resume and spec updates: it validates the spec (an invalid one gets
+a Degraded condition and a Warning event, never an exception that would retry forever),
+creates what is missing (create-if-missing, so a rerun changes nothing), scales the worker
+pods, and writes the status the user sees in `kubectl get rcl`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+from collections import Counter
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from prorsa.api.models import GROUP, PLURAL, VERSION, RolloutClusterSpec, parse_spec
+from prorsa.kube import builders as b
+from prorsa.kube import labels as L
+from prorsa.kube.api import ApiError, KubeApi
+from prorsa.policy.allocate import Role, make_policy
+from prorsa.policy.capacity import RoleCapacity
+
+log = logging.getLogger(__name__)
+_api: KubeApi | None = None
+_NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role counts use it
+
+
+def configure(api: KubeApi) -> None:
+    """The API client the handlers use (in a pod: `KubeApi.in_cluster()`)."""
+    global _api
+    _api = api
+
+
+def api() -> KubeApi:
+    if _api is None:
+        configure(KubeApi.in_cluster())
+    assert _api is not None
+    return _api
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, status: bool, reason: str, message: str, generation: int
+              ) -> dict[str, Any]:  # fmt: skip
+    return {"type": type_, "status": "True" if status else "False", "reason": reason,
+            "message": message, "lastTransitionTime": _now(),
+            "observedGeneration": generation}  # fmt: skip
+
+
+def _refuse(patch: kopf.Patch, body: kopf.Body, generation: int, reason: str, message: str
+            ) -> None:  # fmt: skip
+    """A spec that cannot be honoured: say so on the object, and stop (no retry loop)."""
+    patch.status["phase"] = "Failed" if reason == "InvalidSpec" else "Degraded"
+    patch.status["observedGeneration"] = generation
+    patch.status["conditions"] = [
+        condition("Ready", False, reason, message, generation),
+        condition("Degraded", True, reason, message, generation),
+    ]
+    kopf.warn(body, reason=reason, message=message)
+
+
+def wanted_roles(spec: RolloutClusterSpec, existing: list[Role], n: int) -> list[Role]:
+    """Roles for new workers: fill the policy's initial split where it is short."""
+    want = Counter(make_policy(spec.allocation.settings(), _NOMINAL).initial_roles(n))
+    have = Counter(existing)
+    out: list[Role] = []
+    for _ in range(n - len(existing)):
+        role = max((Role.PREFILL, Role.DECODE, Role.MIXED), key=lambda r: want[r] - have[r])
+        have[role] += 1
+        out.append(role)
+    return out
+
+
+def _index(pod: dict[str, Any]) -> int:
+    try:
+        return int(pod["metadata"]["name"].rsplit("-", 1)[1])
+    except (KeyError, ValueError, IndexError):
+        return -1
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or ())  # fmt: skip
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
+                    meta: kopf.Meta, patch: kopf.Patch, **_: Any) -> None:  # fmt: skip
+    assert namespace is not None  # the resource is namespaced
+    generation = int(meta.get("generation") or 0)
+    try:
+        spec = parse_spec(dict(body.get("spec") or {}))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}"
+                             for err in e.errors())  # fmt: skip
+        _refuse(patch, body, generation, "InvalidSpec", problems)
+        return
+    k = api()
+    ref = spec.redis.passwordSecretRef
+    if ref is not None and await k.get("v1", "Secret", namespace, ref.name) is None:
+        _refuse(patch, body, generation, "SecretNotFound",
+                f"redis.passwordSecretRef: no Secret {ref.name!r} in {namespace}")  # fmt: skip
+        return
+    owner = b.owner_reference(name, uid)
+    if spec.redis.managed:
+        await k.create(b.redis_secret(name, namespace, owner, secrets.token_urlsafe(24)))
+        for obj in b.managed_redis(name, namespace, owner):
+            await k.create(obj)
+
+    pods = await k.list("v1", "Pod", namespace, L.worker_selector(name))
+    live = sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")), key=_index)
+    n = spec.workers.replicas
+    roles = [Role(p["metadata"]["labels"].get(L.ROLE, "mixed")) for p in live[:n]]
+    new_roles = wanted_roles(spec, roles, n)
+    used = {_index(p) for p in live}
+    free = (i for i in range(10**6) if i not in used)
+    objs = [o for o in b.children(name, namespace, uid, spec, []) if o["kind"] != "Pod"]
+    objs += [b.worker_pod(name, namespace, owner, spec, next(free), r) for r in new_roles]
+    created = 0
+    for obj in objs:
+        created += await k.create(obj)
+    for pod in _scale_down_victims(live, n):
+        await k.delete("v1", "Pod", namespace, pod["metadata"]["name"])
+        kopf.info(body, reason="ScaledDown", message=f"removed worker {pod['metadata']['name']}")
+    if new_roles:
+        kopf.info(body, reason="ScaledUp",
+                  message=f"added {len(new_roles)} worker(s): " +
+                  ", ".join(r.value for r in new_roles))  # fmt: skip
+    workers = live[:n]
+    roles_now = [p["metadata"]["labels"].get(L.ROLE, "") for p in workers]
+    roles_now += [r.value for r in new_roles]
+    patch.status.update(
+        _status(
+            name, namespace, spec, generation, roles_now, sum(_ready(p) for p in workers), created
+        )
+    )
+
+
+@kopf.on.event("", "v1", "pods", labels={L.COMPONENT: L.WORKER})
+async def worker_pod_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    """A worker became ready, was relabelled or went away: keep its cluster's status true."""
+    cluster = (body.get("metadata", {}).get("labels") or {}).get(L.CLUSTER)
+    if not cluster or namespace is None:
+        return
+    k = api()
+    owner = await k.get(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster)
+    if owner is None:
+        return
+    try:
+        spec = parse_spec(dict(owner.get("spec") or {}))
+    except ValidationError:
+        return  # reconcile has said why
+    pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    roles = [p["metadata"]["labels"].get(L.ROLE, "") for p in live]
+    generation = int(owner.get("metadata", {}).get("generation") or 0)
+    status = _status(cluster, namespace, spec, generation, roles, sum(_ready(p) for p in live), 0)
+    await k.patch_status(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster, status)
+
+
+def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int,
+            roles: list[str], ready: int, created: int) -> dict[str, Any]:  # fmt: skip
+    n = spec.workers.replicas
+    by_role = Counter(roles)
+    return {
+        "phase": "Running" if ready else "Pending",
+        "observedGeneration": generation,
+        "replicas": len(roles),
+        "selector": L.worker_selector(name),
+        "ready": ready,
+        "prefill": by_role.get("prefill", 0),
+        "decode": by_role.get("decode", 0),
+        "mixed": by_role.get("mixed", 0),
+        "endpoint": b.endpoint(name, namespace, spec),
+        "conditions": [
+            condition("Ready", ready > 0, "WorkersReady" if ready else "WaitingForWorkers",
+                      f"{ready}/{n} workers ready", generation),
+            condition("Progressing", bool(created) or ready < n or len(roles) != n,
+                      "Reconciling" if len(roles) != n or ready < n else "Reconciled",
+                      f"{len(roles)}/{n} workers, {ready} ready", generation),
+            condition("Degraded", False, "Healthy", "", generation),
+        ],
+    }  # fmt: skip
+
+
+def _scale_down_victims(live: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Excess workers, not-ready ones first, then the highest indexes; never a draining one
+    (a switch is using it) — those wait for the next reconcile."""
+    excess = len(live) - n
+    if excess <= 0:
+        return []
+    candidates = [
+        p for p in live if (p["metadata"].get("annotations") or {}).get(L.DRAINING) != "true"
+    ]
+    candidates.sort(key=lambda p: (_ready(p), -_index(p)))
+    return candidates[:excess]
+
+
+__all__ = ["ApiError", "configure", "reconcile"]
