@@ -1,0 +1,87 @@
+"""The Kubernetes `Cluster` adapter: workers are pods, roles are labels, drains are annotations.
+
+Role changes are merge patches guarded by the pod's resourceVersion (a concurrent change makes
+the patch fail instead of being overwritten); all switch state lives on the pods, so a new
+operator replica finishes or rolls back a switch it finds half-done. In-flight counts come from
+the routers' reports in Redis, cross-checked with each engine's own metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from prorsa.control.cluster import ClusterUnavailable, WorkerStatus
+from prorsa.events import inflight
+from prorsa.events.inflight import Inflight
+from prorsa.events.keys import ClusterKeys
+from prorsa.kube import labels as L
+from prorsa.kube.api import ApiError, Conflict, KubeApi
+from prorsa.kube.discovery import pod_endpoint
+from prorsa.policy.allocate import Role
+from prorsa.worker.agent import engine_requests
+
+
+class KubeCluster:
+    def __init__(self, api: KubeApi, redis: Redis, keys: ClusterKeys) -> None:
+        self.api = api
+        self.redis = redis
+        self.keys = keys
+
+    async def _pods(self) -> list[dict[str, Any]]:
+        try:
+            return await self.api.list("v1", "Pod", self.keys.namespace,
+                                       L.worker_selector(self.keys.name))  # fmt: skip
+        except (ApiError, OSError) as e:
+            raise ClusterUnavailable(f"Kubernetes API: {e}") from e
+
+    async def workers(self) -> list[WorkerStatus]:
+        pods = await self._pods()
+        try:
+            counts = await inflight.read(self.redis, self.keys.workers)
+        except (RedisError, OSError) as e:
+            raise ClusterUnavailable(f"Redis: {e}") from e
+        out = []
+        for pod in pods:
+            ep = pod_endpoint(pod)
+            if ep is None or pod["metadata"].get("deletionTimestamp"):
+                continue
+            out.append(WorkerStatus(ep.name, ep.role, ep.ready, ep.draining, ep.target_role,
+                                    counts.get(ep.name, Inflight())))  # fmt: skip
+        return out
+
+    async def _patch(self, name: str, patch: dict[str, Any]) -> None:
+        """Merge-patch a worker pod, guarded by the resourceVersion it was read at."""
+        for _ in range(3):
+            pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
+            if pod is None:
+                return
+            version = pod["metadata"].get("resourceVersion")
+            try:
+                await self.api.patch("v1", "Pod", self.keys.namespace, name, patch, version)
+                return
+            except Conflict:
+                continue  # changed meanwhile: read again, patch again
+            except (ApiError, OSError) as e:
+                raise ClusterUnavailable(f"Kubernetes API: {e}") from e
+        raise ClusterUnavailable(f"pod {name} kept changing while being patched")
+
+    async def mark_draining(self, name: str, target: Role) -> None:
+        await self._patch(name, {"metadata": {"annotations": {
+            L.DRAINING: "true", L.TARGET_ROLE: target.value}}})  # fmt: skip
+
+    async def set_role(self, name: str, role: Role) -> None:
+        await self._patch(name, {"metadata": {
+            "labels": {L.ROLE: role.value},
+            "annotations": {L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
+
+    async def cancel_drain(self, name: str) -> None:
+        await self._patch(name, {"metadata": {"annotations": {
+            L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
+
+    async def engine_inflight(self, name: str) -> int | None:
+        pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
+        ep = pod_endpoint(pod) if pod else None
+        return None if ep is None else await engine_requests(ep.url)

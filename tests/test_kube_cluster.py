@@ -1,0 +1,85 @@
+"""The Kubernetes Cluster adapter against kmock's API emulator and a real Redis: the switch
+protocol relabels a worker pod through its annotations, and a controller started later
+finishes a switch it finds half-done on the pods."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kmock import KubernetesEmulator, Server
+from redis.asyncio import Redis
+
+from prorsa.api.models import parse_spec
+from prorsa.control.controller import Controller, ControllerConfig
+from prorsa.control.switch import SwitchOutcome, switch
+from prorsa.events import inflight
+from prorsa.events.keys import ClusterKeys
+from prorsa.events.stream import EventReader
+from prorsa.kube import builders as b
+from prorsa.kube import labels as L
+from prorsa.kube.api import KubeApi
+from prorsa.kube.cluster import KubeCluster
+from prorsa.policy.allocate import AllocationSettings, Role
+from prorsa.policy.capacity import RoleCapacity
+
+KEYS = ClusterKeys("team", "rl")
+SPEC = parse_spec({"model": {"name": "m"}, "redis": {"url": "redis://r:6379/0"}})
+
+
+async def _setup(k8s: KubernetesEmulator, api: KubeApi) -> None:
+    verbs = ["create", "delete", "get", "list", "patch", "watch"]
+    k8s.resources["v1/pods"] = {"namespaced": True, "kind": "Pod", "singular": "pod",
+                                "shortnames": [], "categories": [], "subresources": ["status"],
+                                "verbs": verbs}  # fmt: skip
+    owner = b.owner_reference("rl", "uid")
+    for i, role in enumerate((Role.PREFILL, Role.DECODE)):
+        await api.create(b.worker_pod("rl", "team", owner, SPEC, i, role))
+        await api.patch("v1", "Pod", "team", f"rl-worker-{i}", {"status": {
+            "podIP": f"127.0.0.{i + 2}",
+            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+
+
+async def _report(r: Redis, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        now = time.time()
+        report = {inflight.field(f"rl-worker-{i}", "router-0"): inflight.value(0, 0, now)
+                  for i in range(2)}  # fmt: skip
+        await r.hset(KEYS.workers, mapping=report)
+        await asyncio.sleep(0.05)
+
+
+def test_switch_relabels_a_pod_and_a_new_controller_finishes_a_half_done_one(
+    redis_url: str,
+) -> None:
+    async def main() -> None:
+        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
+            api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
+            await _setup(k8s, api)
+            cluster = KubeCluster(api, r, KEYS)
+            stop = asyncio.Event()
+            reporter = asyncio.create_task(_report(r, stop))
+            try:
+                workers = {w.name: w for w in await cluster.workers()}
+                assert workers["rl-worker-0"].role is Role.PREFILL and workers["rl-worker-0"].ready
+                out = await switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1, poll_s=0.05)
+                assert out is SwitchOutcome.DONE
+                pod = await api.get("v1", "Pod", "team", "rl-worker-0")
+                assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "decode"
+                assert pod["metadata"]["annotations"].get(L.DRAINING) != "true"
+
+                await cluster.mark_draining("rl-worker-1", Role.PREFILL)  # then the operator died
+                settings = AllocationSettings(policy="colocated")
+                ctl = Controller(cluster, EventReader(r, KEYS.events), ControllerConfig(
+                    settings, RoleCapacity(1e4, 0.01, 0.0, 0.0, 1e6), settle_s=0.1))  # fmt: skip
+                assert await ctl.recover() == 1
+                await ctl.wait_switches()
+                pod = await api.get("v1", "Pod", "team", "rl-worker-1")
+                assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "prefill"
+                assert not any(w.draining for w in await cluster.workers())
+            finally:
+                stop.set()
+                await reporter
+                await api.close()
+
+    asyncio.run(main())
