@@ -60,8 +60,10 @@ def _register_crd(k8s: KubernetesEmulator) -> None:
 
 
 def rcl(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    # kmock keeps no resourceVersion of its own; kopf's daemon bookkeeping tests for one
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-            "metadata": {"name": name, "namespace": NS}, "spec": spec}  # fmt: skip
+            "metadata": {"name": name, "namespace": NS, "resourceVersion": "1"},
+            "spec": spec}  # fmt: skip
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
@@ -73,7 +75,7 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: st
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_rollout_cluster_becomes_pods_services_and_status() -> None:
+def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> None:
     async def main() -> None:
         async with KubernetesEmulator() as k8s, Server(k8s):
             _register_crd(k8s)
@@ -85,7 +87,7 @@ def test_a_rollout_cluster_becomes_pods_services_and_status() -> None:
             async with aiohttp.ClientSession() as s:
                 async with s.post(base, json=rcl("rl", {
                     "model": {"name": "Qwen/Qwen3-8B"}, "workers": {"replicas": 2},
-                    "redis": {"url": "redis://r:6379/0"},
+                    "redis": {"url": redis_url},
                     "allocation": {"policy": "static", "staticPrefill": 1},
                 })) as r:  # fmt: skip
                     assert r.status < 300, await r.text()
@@ -118,6 +120,16 @@ def test_a_rollout_cluster_becomes_pods_services_and_status() -> None:
                         return bool((await status()).get("endpoint"))
 
                     await until(has_endpoint, 20, "the endpoint in the status")
+                    for i, p in enumerate(got):  # what the kubelet would report
+                        await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
+                            "podIP": f"127.0.0.{i + 2}",
+                            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+
+                    async def decided() -> bool:
+                        return bool((await status()).get("lastDecision"))
+
+                    await until(decided, 30, "the controller daemon's first decision")
+                    assert (await status())["lastDecision"]["target"] == "1P:1D"
                     st = await status()
                     assert st["endpoint"] == "http://rl.team.svc:8080/v1"
                     assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")

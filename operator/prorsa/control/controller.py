@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
@@ -77,6 +77,7 @@ class Controller:
     config: ControllerConfig
     metrics: ControllerMetrics = field(default_factory=ControllerMetrics)
     clock: Callable[[], float] = time.time
+    on_decision: Callable[[Decision, Forecast | None], Awaitable[None]] | None = None
     table: LifecycleTable = field(default_factory=LifecycleTable)
     policy: Policy = field(init=False)
     last_decision: Decision | None = field(default=None, init=False)
@@ -151,6 +152,8 @@ class Controller:
             if sw.worker not in self._switching:
                 self._start_switch(sw.worker, sw.from_role, sw.to_role)
         self._record(view, decision, forecast)
+        if self.on_decision is not None:
+            await self.on_decision(decision, forecast)
         return decision
 
     def _record(self, view: ClusterView, d: Decision, fc: Forecast | None) -> None:

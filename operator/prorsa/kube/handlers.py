@@ -8,25 +8,44 @@ pods, and writes the status the user sees in `kubectl get rcl`.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import datetime
 import logging
 import secrets
+import socket
 from collections import Counter
 from typing import Any
+from urllib.parse import quote
 
 import kopf
 from pydantic import ValidationError
+from redis.asyncio import Redis
 
 from prorsa.api.models import GROUP, PLURAL, VERSION, RolloutClusterSpec, parse_spec
+from prorsa.control.controller import Controller, ControllerConfig
+from prorsa.events.keys import ClusterKeys
+from prorsa.events.stream import EventReader
 from prorsa.kube import builders as b
 from prorsa.kube import labels as L
 from prorsa.kube.api import ApiError, KubeApi
-from prorsa.policy.allocate import Role, make_policy
+from prorsa.kube.cluster import KubeCluster
+from prorsa.policy.allocate import Decision, Role, make_policy
 from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.forecast import Forecast
 
 log = logging.getLogger(__name__)
 _api: KubeApi | None = None
 _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role counts use it
+
+
+def default_capacity() -> RoleCapacity:
+    """The allocator's model of one GPU worker: the simulator's H200 + dense 8B datasheet
+    preset (per-cluster calibration from the workers' timings is not wired in yet)."""
+    from prorsa.sim.costmodel import preset
+
+    return preset("h200").role_capacity()
 
 
 def configure(api: KubeApi) -> None:
@@ -204,4 +223,82 @@ def _scale_down_victims(live: list[dict[str, Any]], n: int) -> list[dict[str, An
     return candidates[:excess]
 
 
-__all__ = ["ApiError", "configure", "reconcile"]
+async def _redis_url(name: str, namespace: str, spec: RolloutClusterSpec) -> str:
+    """The cluster's Redis URL with its password (read from the Secret) when it has one."""
+    url = b.redis_url(name, spec)
+    ref = spec.redis.passwordSecretRef
+    secret_name, key = (f"{name}-redis", "password") if spec.redis.managed else (
+        (ref.name, ref.key) if ref else (None, None))  # fmt: skip
+    if secret_name is None or key is None:
+        return url
+    secret = await api().get("v1", "Secret", namespace, secret_name)
+    raw = ((secret or {}).get("data") or {}).get(key)
+    if raw is None:
+        raw_text = ((secret or {}).get("stringData") or {}).get(key)
+    else:
+        raw_text = base64.b64decode(raw).decode()
+    if not raw_text:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://:{quote(raw_text, safe='')}@{rest}"
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=15.0)
+async def control_loop(name: str, namespace: str | None, body: kopf.Body,
+                       stopped: kopf.DaemonStopped, **_: Any) -> None:  # fmt: skip
+    """The controller of one RolloutCluster (the very loop `prorsa controller` runs)."""
+    assert namespace is not None
+    try:
+        spec = parse_spec(dict(body.get("spec") or {}))
+    except ValidationError:
+        return  # reconcile has put the reason on the object
+    keys = ClusterKeys(namespace, name)
+    redis = Redis.from_url(await _redis_url(name, namespace, spec), socket_timeout=5,
+                           socket_connect_timeout=5)  # fmt: skip
+
+    async def report(d: Decision, fc: Forecast | None) -> None:
+        status: dict[str, Any] = {
+            "lastDecision": {"target": str(d.target), "reason": d.reason, "time": _now()},
+            "switchesTotal": ctl.switches_done,
+        }
+        if fc is not None:
+            status["lastForecast"] = {
+                "prefillTokensPerSecond": round(fc.prefill_tokens_per_s[0], 1),
+                "decodeSequences": round(fc.decode_seqs[0], 2),
+                "time": _now(),
+            }
+        with contextlib.suppress(ApiError, OSError):
+            await api().patch_status(
+                f"{GROUP}/{VERSION}", "RolloutCluster", namespace, name, status
+            )
+        if d.switches:
+            kopf.info(body, reason="Switching", message=f"target {d.target} ({d.reason}): " +
+                      ", ".join(f"{s.worker} {s.from_role.value}->{s.to_role.value}"
+                                for s in d.switches))  # fmt: skip
+
+    ctl = Controller(
+        KubeCluster(api(), redis, keys),
+        EventReader(redis, keys.events, consumer=socket.gethostname()),
+        ControllerConfig(
+            spec.allocation.settings(),
+            default_capacity(),
+            drain_timeout_s=spec.allocation.drainTimeoutSeconds,
+            switch_mode=spec.kvTransfer.switchMode,
+        ),
+        on_decision=report,
+    )
+    stop = asyncio.Event()
+
+    async def until_stopped() -> None:
+        await stopped.wait()
+        stop.set()
+
+    waiter = asyncio.create_task(until_stopped())
+    try:
+        await ctl.run(stop)
+    finally:
+        waiter.cancel()
+        await redis.aclose()
+
+
+__all__ = ["ApiError", "configure", "control_loop", "reconcile"]
