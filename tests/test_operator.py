@@ -108,6 +108,16 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                         "decode", "prefill"]  # fmt: skip
                     for p in got:
                         assert p["metadata"]["ownerReferences"][0]["name"] == "rl"
+                    for kind, api_version in (("Service", "v1"), ("ServiceAccount", "v1"),
+                                              ("Deployment", "apps/v1"),
+                                              ("Role", "rbac.authorization.k8s.io/v1"),
+                                              ("RoleBinding", "rbac.authorization.k8s.io/v1"),
+                                              ("Pod", "v1")):  # fmt: skip
+                        children = await api.list(api_version, kind, NS, f"{L.CLUSTER}=rl")
+                        assert children, kind
+                        for child in children:  # deleting the RolloutCluster collects them
+                            [ref] = child["metadata"]["ownerReferences"]
+                            assert ref["kind"] == KIND and ref["name"] == "rl" and ref["controller"]
                     svc = await api.get("v1", "Service", NS, "rl")
                     assert svc is not None and svc["spec"]["selector"][L.COMPONENT] == "router"
                     assert await api.get("apps/v1", "Deployment", NS, "rl-router") is not None
@@ -125,11 +135,11 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                             "podIP": f"127.0.0.{i + 2}",
                             "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
 
-                    async def decided() -> bool:
-                        return bool((await status()).get("lastDecision"))
+                    async def decided() -> bool:  # once it sees the two ready workers
+                        last = (await status()).get("lastDecision") or {}
+                        return last.get("target") == "1P:1D"
 
-                    await until(decided, 30, "the controller daemon's first decision")
-                    assert (await status())["lastDecision"]["target"] == "1P:1D"
+                    await until(decided, 30, "the controller daemon's decision over 2 workers")
                     st = await status()
                     assert st["endpoint"] == "http://rl.team.svc:8080/v1"
                     assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")
@@ -180,3 +190,94 @@ def test_scale_down_picks_unready_then_newest_and_never_a_draining_worker() -> N
     # the draining one is kept even when that leaves more than asked (next reconcile retries)
     assert [p["metadata"]["name"] for p in _scale_down_victims(live, 0)] == [
         "rl-worker-3", "rl-worker-2", "rl-worker-0"]  # fmt: skip
+
+
+def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
+    redis_url: str,
+) -> None:
+    """`kubectl edit` of allocation.staticPrefill: the cluster's controller daemon drains a
+    decode worker, waits for the routers' in-flight reports, relabels it, says so in an Event
+    and in the status."""
+    import time
+
+    from redis.asyncio import Redis
+
+    from prorsa.events import inflight
+    from prorsa.events.keys import ClusterKeys
+
+    async def main() -> None:
+        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
+            _register_crd(k8s)
+            url = str(k8s.url).rstrip("/")
+            _server["url"] = url
+            api = KubeApi(url, ssl_context=False)
+            handlers.configure(api)
+            await api.create(rcl("edit", {
+                "model": {"name": "m"}, "workers": {"replicas": 3}, "redis": {"url": redis_url},
+                "allocation": {"policy": "static", "staticPrefill": 1, "intervalSeconds": 1,
+                               "cooldownSeconds": 0},
+            }))  # fmt: skip
+            stop_reports = asyncio.Event()
+
+            async def routers_report_idle() -> None:
+                keys = ClusterKeys(NS, "edit")
+                while not stop_reports.is_set():
+                    now = time.time()
+                    await r.hset(keys.workers, mapping={
+                        inflight.field(f"edit-worker-{i}", "router-0"): inflight.value(0, 0, now)
+                        for i in range(3)})  # fmt: skip
+                    await asyncio.sleep(0.1)
+
+            reporter = asyncio.create_task(routers_report_idle())
+            stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True,
+                                                   stop_flag=stop))  # fmt: skip
+            try:
+
+                async def pods() -> list[dict[str, Any]]:
+                    return await api.list("v1", "Pod", NS, L.worker_selector("edit"))
+
+                async def three() -> bool:
+                    return len(await pods()) == 3
+
+                await until(three, 20, "three workers")
+                for i, p in enumerate(await pods()):
+                    await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
+                        "podIP": f"127.0.0.{i + 2}",
+                        "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+
+                async def status() -> dict[str, Any]:
+                    obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "edit")
+                    return (obj or {}).get("status") or {}
+
+                async def decided() -> bool:
+                    last = (await status()).get("lastDecision") or {}
+                    return last.get("target") == "1P:2D"
+
+                await until(decided, 30, "the decision over three ready workers")
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
+                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+
+                async def two_prefill() -> bool:
+                    roles = [p["metadata"]["labels"][L.ROLE] for p in await pods()]
+                    return roles.count("prefill") == 2
+
+                await until(two_prefill, 60, "a worker relabelled to prefill")
+                assert not any((p["metadata"].get("annotations") or {}).get(L.DRAINING) == "true"
+                               for p in await pods())  # fmt: skip
+
+                async def counted() -> bool:
+                    return (await status()).get("switchesTotal", 0) >= 1
+
+                await until(counted, 30, "the switch in the status")
+                events = await api.list("v1", "Event", NS, "")
+                assert any(e.get("reason") == "Switching" for e in events), events
+            finally:
+                stop_reports.set()
+                await reporter
+                stop.set_result(None)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(op, 30)
+                await api.close()
+
+    asyncio.run(main())

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
 
@@ -90,6 +90,16 @@ class Controller:
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.settings, self.config.capacity)
         self.forecaster = make_forecaster("lifecycle", self.config.mode)
+
+    def update_settings(self, settings: AllocationSettings) -> bool:
+        """Adopt edited allocation settings (a `kubectl edit` of the spec) from the next
+        decision on; the lifecycle statistics are kept. True when they changed."""
+        if settings == self.config.settings:
+            return False
+        log.info("allocation settings changed: policy %s", settings.policy)
+        self.config = replace(self.config, settings=settings)
+        self.policy = make_policy(settings, self.config.capacity)
+        return True
 
     # ---- switches -----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "RolloutCluster": "rolloutclusters",
+    "Event": "events",  # posted by kopf (kopf.info / kopf.warn); read back by tests
 }
 
 

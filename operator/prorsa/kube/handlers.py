@@ -84,6 +84,27 @@ def _refuse(patch: kopf.Patch, body: kopf.Body, generation: int, reason: str, me
     kopf.warn(body, reason=reason, message=message)
 
 
+async def post_event(body: kopf.Body, reason: str, message: str, type_: str = "Normal"
+                     ) -> None:  # fmt: skip
+    """A Kubernetes Event on the RolloutCluster (from the daemon, outside kopf's handler
+    context, where `kopf.info` has no poster)."""
+    meta = body.get("metadata") or {}
+    now = _now()
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta.get('name')}.{secrets.token_hex(8)}",
+                     "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RolloutCluster",
+                           "name": meta.get("name"), "namespace": meta.get("namespace"),
+                           "uid": meta.get("uid")},
+        "reason": reason, "message": message[:1024], "type": type_,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "source": {"component": "prorsa-operator"},
+    }  # fmt: skip
+    with contextlib.suppress(ApiError, OSError):
+        await api().create(event)
+
+
 def wanted_roles(spec: RolloutClusterSpec, existing: list[Role], n: int) -> list[Role]:
     """Roles for new workers: fill the policy's initial split where it is short."""
     want = Counter(make_policy(spec.allocation.settings(), _NOMINAL).initial_roles(n))
@@ -257,6 +278,8 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
                            socket_connect_timeout=5)  # fmt: skip
 
     async def report(d: Decision, fc: Forecast | None) -> None:
+        with contextlib.suppress(ValidationError):  # the body is live: follow spec edits
+            ctl.update_settings(parse_spec(dict(body.get("spec") or {})).allocation.settings())
         status: dict[str, Any] = {
             "lastDecision": {"target": str(d.target), "reason": d.reason, "time": _now()},
             "switchesTotal": ctl.switches_done,
@@ -272,9 +295,9 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
                 f"{GROUP}/{VERSION}", "RolloutCluster", namespace, name, status
             )
         if d.switches:
-            kopf.info(body, reason="Switching", message=f"target {d.target} ({d.reason}): " +
-                      ", ".join(f"{s.worker} {s.from_role.value}->{s.to_role.value}"
-                                for s in d.switches))  # fmt: skip
+            moves = ", ".join(f"{s.worker} {s.from_role.value}->{s.to_role.value}"
+                              for s in d.switches)  # fmt: skip
+            await post_event(body, "Switching", f"target {d.target} ({d.reason}): {moves}")
 
     ctl = Controller(
         KubeCluster(api(), redis, keys),
