@@ -281,3 +281,60 @@ def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
                 await api.close()
 
     asyncio.run(main())
+
+
+def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_reported() -> None:
+    async def main() -> None:
+        async with KubernetesEmulator() as k8s, Server(k8s):
+            _register_crd(k8s)
+            url = str(k8s.url).rstrip("/")
+            _server["url"] = url
+            api = KubeApi(url, ssl_context=False)
+            handlers.configure(api)
+            await api.create(rcl("own", {"model": {"name": "m"}, "redis": {"managed": True}}))
+            await api.create(rcl("byo", {"model": {"name": "m"}, "redis": {
+                "url": "redis://r:6379/0", "passwordSecretRef": {"name": "nope"}}}))  # fmt: skip
+            stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True,
+                                                   stop_flag=stop))  # fmt: skip
+            try:
+
+                async def redis_ready() -> bool:
+                    return await api.get("apps/v1", "Deployment", NS, "own-redis") is not None
+
+                await until(redis_ready, 20, "the managed Redis")
+                secret = await api.get("v1", "Secret", NS, "own-redis")
+                assert secret is not None
+                password = (secret.get("stringData") or {}).get("password", "")
+                assert len(password) >= 24
+                router = await api.get("apps/v1", "Deployment", NS, "own-router")
+                assert router is not None
+                env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+                assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "own-redis",
+                                                                "key": "password"}  # fmt: skip
+                await api.create(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Secret",
+                        "metadata": {"name": "own-redis", "namespace": NS},
+                        "stringData": {"password": "x"},
+                    }
+                )
+                again = await api.get("v1", "Secret", NS, "own-redis")
+                assert again is not None and again["stringData"]["password"] == password
+
+                async def reported() -> bool:
+                    obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "byo")
+                    conds = ((obj or {}).get("status") or {}).get("conditions") or []
+                    return any(c["reason"] == "SecretNotFound" and "nope" in c["message"]
+                               for c in conds)  # fmt: skip
+
+                await until(reported, 20, "the SecretNotFound condition")
+                assert await api.list("v1", "Pod", NS, L.worker_selector("byo")) == []
+            finally:
+                stop.set_result(None)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(op, 30)
+                await api.close()
+
+    asyncio.run(main())
