@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import kopf
 from kmock import KubernetesEmulator, Server
 
@@ -75,101 +74,113 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: st
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@contextlib.asynccontextmanager
+async def kmock_api() -> AsyncIterator[KubeApi]:
+    """kmock's API emulator with the resources the operator uses, and a client for it that
+    both kopf (through the login handler) and the handlers use."""
+    async with KubernetesEmulator() as k8s, Server(k8s):
+        _register_crd(k8s)
+        url = str(k8s.url).rstrip("/")
+        _server["url"] = url
+        api = KubeApi(url, ssl_context=False)
+        handlers.configure(api)
+        try:
+            yield api
+        finally:
+            await api.close()
+
+
+@contextlib.asynccontextmanager
+async def running_operator() -> AsyncIterator[None]:
+    """The real operator (every handler of prorsa.kube.handlers) for the duration."""
+    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True, stop_flag=stop))
+    try:
+        yield
+    finally:
+        stop.set_result(None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(op, 30)
+
+
+async def rcl_status(api: KubeApi, name: str) -> dict[str, Any]:
+    obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, name)
+    return (obj or {}).get("status") or {}
+
+
 def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> None:
     async def main() -> None:
-        async with KubernetesEmulator() as k8s, Server(k8s):
-            _register_crd(k8s)
-            url = str(k8s.url).rstrip("/")
-            _server["url"] = url
-            api = KubeApi(url, ssl_context=False)
-            handlers.configure(api)
-            base = f"{url}/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
-            async with aiohttp.ClientSession() as s:
-                async with s.post(base, json=rcl("rl", {
-                    "model": {"name": "Qwen/Qwen3-8B"}, "workers": {"replicas": 2},
-                    "redis": {"url": redis_url},
-                    "allocation": {"policy": "static", "staticPrefill": 1},
-                })) as r:  # fmt: skip
-                    assert r.status < 300, await r.text()
-                stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True,
-                                                       stop_flag=stop))  # fmt: skip
-                try:
+        async with kmock_api() as api:
+            assert await api.create(rcl("rl", {
+                "model": {"name": "Qwen/Qwen3-8B"}, "workers": {"replicas": 2},
+                "redis": {"url": redis_url},
+                "allocation": {"policy": "static", "staticPrefill": 1},
+            }))  # fmt: skip
+            async with running_operator():
 
-                    async def pods() -> list[dict[str, Any]]:
-                        return await api.list("v1", "Pod", NS, L.worker_selector("rl"))
+                async def pods() -> list[dict[str, Any]]:
+                    return await api.list("v1", "Pod", NS, L.worker_selector("rl"))
 
-                    async def n_pods(n: int) -> bool:
-                        return len(await pods()) == n
+                async def n_pods(n: int) -> bool:
+                    return len(await pods()) == n
 
-                    await until(lambda: n_pods(2), 20, "two worker pods")
-                    got = await pods()
-                    assert sorted(p["metadata"]["labels"][L.ROLE] for p in got) == [
-                        "decode", "prefill"]  # fmt: skip
-                    for p in got:
-                        assert p["metadata"]["ownerReferences"][0]["name"] == "rl"
-                    for kind, api_version in (("Service", "v1"), ("ServiceAccount", "v1"),
-                                              ("Deployment", "apps/v1"),
-                                              ("Role", "rbac.authorization.k8s.io/v1"),
-                                              ("RoleBinding", "rbac.authorization.k8s.io/v1"),
-                                              ("Pod", "v1")):  # fmt: skip
-                        children = await api.list(api_version, kind, NS, f"{L.CLUSTER}=rl")
-                        assert children, kind
-                        for child in children:  # deleting the RolloutCluster collects them
-                            [ref] = child["metadata"]["ownerReferences"]
-                            assert ref["kind"] == KIND and ref["name"] == "rl" and ref["controller"]
-                    svc = await api.get("v1", "Service", NS, "rl")
-                    assert svc is not None and svc["spec"]["selector"][L.COMPONENT] == "router"
-                    assert await api.get("apps/v1", "Deployment", NS, "rl-router") is not None
+                await until(lambda: n_pods(2), 20, "two worker pods")
+                got = await pods()
+                assert sorted(p["metadata"]["labels"][L.ROLE] for p in got) == [
+                    "decode", "prefill"]  # fmt: skip
+                for p in got:
+                    assert p["metadata"]["ownerReferences"][0]["name"] == "rl"
+                for kind, api_version in (("Service", "v1"), ("ServiceAccount", "v1"),
+                                          ("Deployment", "apps/v1"),
+                                          ("Role", "rbac.authorization.k8s.io/v1"),
+                                          ("RoleBinding", "rbac.authorization.k8s.io/v1"),
+                                          ("Pod", "v1")):  # fmt: skip
+                    children = await api.list(api_version, kind, NS, f"{L.CLUSTER}=rl")
+                    assert children, kind
+                    for child in children:  # deleting the RolloutCluster collects them
+                        [ref] = child["metadata"]["ownerReferences"]
+                        assert ref["kind"] == KIND and ref["name"] == "rl" and ref["controller"]
+                svc = await api.get("v1", "Service", NS, "rl")
+                assert svc is not None and svc["spec"]["selector"][L.COMPONENT] == "router"
+                assert await api.get("apps/v1", "Deployment", NS, "rl-router") is not None
 
-                    async def status() -> dict[str, Any]:
-                        obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "rl")
-                        return (obj or {}).get("status") or {}
+                async def has_endpoint() -> bool:
+                    return bool((await rcl_status(api, "rl")).get("endpoint"))
 
-                    async def has_endpoint() -> bool:
-                        return bool((await status()).get("endpoint"))
+                await until(has_endpoint, 20, "the endpoint in the status")
+                for i, p in enumerate(got):  # what the kubelet would report
+                    await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
+                        "podIP": f"127.0.0.{i + 2}",
+                        "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
 
-                    await until(has_endpoint, 20, "the endpoint in the status")
-                    for i, p in enumerate(got):  # what the kubelet would report
-                        await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
-                            "podIP": f"127.0.0.{i + 2}",
-                            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+                async def decided() -> bool:  # once it sees the two ready workers
+                    last = (await rcl_status(api, "rl")).get("lastDecision") or {}
+                    return last.get("target") == "1P:1D"
 
-                    async def decided() -> bool:  # once it sees the two ready workers
-                        last = (await status()).get("lastDecision") or {}
-                        return last.get("target") == "1P:1D"
+                await until(decided, 30, "the controller daemon's decision over 2 workers")
+                st = await rcl_status(api, "rl")
+                assert st["endpoint"] == "http://rl.team.svc:8080/v1"
+                assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")
 
-                    await until(decided, 30, "the controller daemon's decision over 2 workers")
-                    st = await status()
-                    assert st["endpoint"] == "http://rl.team.svc:8080/v1"
-                    assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "rl",
+                                {"spec": {"workers": {"replicas": 3}}})  # fmt: skip
+                await until(lambda: n_pods(3), 30, "scale up to three workers")
+                # Scaling down is covered by test_scale_down_picks_idle_workers: kmock's merge
+                # patch keeps keys set to null, so kopf's per-handler progress records are
+                # never purged there and a second update of one object is skipped.
 
-                    await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "rl",
-                                    {"spec": {"workers": {"replicas": 3}}})  # fmt: skip
-                    await until(lambda: n_pods(3), 30, "scale up to three workers")
-                    # Scaling down is covered by test_scale_down_picks_idle_workers: kmock's merge
-                    # patch keeps keys set to null, so kopf's per-handler progress records are
-                    # never purged there and a second update of one object is skipped.
+                assert await api.create(rcl("bad", {
+                    "model": {"name": "m"}, "workers": {"replicas": 2},
+                    "allocation": {"minPrefill": 2, "minDecode": 1},
+                }))  # fmt: skip
 
-                    async with s.post(base, json=rcl("bad", {
-                        "model": {"name": "m"}, "workers": {"replicas": 2},
-                        "allocation": {"minPrefill": 2, "minDecode": 1},
-                    })) as r:  # fmt: skip
-                        assert r.status < 300
+                async def refused() -> bool:
+                    conds = (await rcl_status(api, "bad")).get("conditions") or []
+                    return any(c["type"] == "Degraded" and c["reason"] == "InvalidSpec"
+                               for c in conds)  # fmt: skip
 
-                    async def refused() -> bool:
-                        obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "bad")
-                        conds = ((obj or {}).get("status") or {}).get("conditions") or []
-                        return any(c["type"] == "Degraded" and c["reason"] == "InvalidSpec"
-                                   for c in conds)  # fmt: skip
-
-                    await until(refused, 20, "the InvalidSpec condition")
-                    assert await api.list("v1", "Pod", NS, L.worker_selector("bad")) == []
-                finally:
-                    stop.set_result(None)
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.wait_for(op, 20)
-                    await api.close()
+                await until(refused, 20, "the InvalidSpec condition")
+                assert await api.list("v1", "Pod", NS, L.worker_selector("bad")) == []
 
     asyncio.run(main())
 
@@ -206,12 +217,7 @@ def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
     from prorsa.events.keys import ClusterKeys
 
     async def main() -> None:
-        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
-            _register_crd(k8s)
-            url = str(k8s.url).rstrip("/")
-            _server["url"] = url
-            api = KubeApi(url, ssl_context=False)
-            handlers.configure(api)
+        async with kmock_api() as api, Redis.from_url(redis_url) as r:
             await api.create(rcl("edit", {
                 "model": {"name": "m"}, "workers": {"replicas": 3}, "redis": {"url": redis_url},
                 "allocation": {"policy": "static", "staticPrefill": 1, "intervalSeconds": 1,
@@ -229,75 +235,57 @@ def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
                     await asyncio.sleep(0.1)
 
             reporter = asyncio.create_task(routers_report_idle())
-            stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True,
-                                                   stop_flag=stop))  # fmt: skip
             try:
+                async with running_operator():
 
-                async def pods() -> list[dict[str, Any]]:
-                    return await api.list("v1", "Pod", NS, L.worker_selector("edit"))
+                    async def pods() -> list[dict[str, Any]]:
+                        return await api.list("v1", "Pod", NS, L.worker_selector("edit"))
 
-                async def three() -> bool:
-                    return len(await pods()) == 3
+                    async def three() -> bool:
+                        return len(await pods()) == 3
 
-                await until(three, 20, "three workers")
-                for i, p in enumerate(await pods()):
-                    await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
-                        "podIP": f"127.0.0.{i + 2}",
-                        "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+                    await until(three, 20, "three workers")
+                    for i, p in enumerate(await pods()):
+                        await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
+                            "podIP": f"127.0.0.{i + 2}",
+                            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
 
-                async def status() -> dict[str, Any]:
-                    obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "edit")
-                    return (obj or {}).get("status") or {}
+                    async def decided() -> bool:
+                        last = (await rcl_status(api, "edit")).get("lastDecision") or {}
+                        return last.get("target") == "1P:2D"
 
-                async def decided() -> bool:
-                    last = (await status()).get("lastDecision") or {}
-                    return last.get("target") == "1P:2D"
+                    await until(decided, 30, "the decision over three ready workers")
+                    await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
+                                    {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
 
-                await until(decided, 30, "the decision over three ready workers")
-                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
-                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+                    async def two_prefill() -> bool:
+                        roles = [p["metadata"]["labels"][L.ROLE] for p in await pods()]
+                        return roles.count("prefill") == 2
 
-                async def two_prefill() -> bool:
-                    roles = [p["metadata"]["labels"][L.ROLE] for p in await pods()]
-                    return roles.count("prefill") == 2
+                    await until(two_prefill, 60, "a worker relabelled to prefill")
+                    annotations = [p["metadata"].get("annotations") or {} for p in await pods()]
+                    assert not any(a.get(L.DRAINING) == "true" for a in annotations)
 
-                await until(two_prefill, 60, "a worker relabelled to prefill")
-                assert not any((p["metadata"].get("annotations") or {}).get(L.DRAINING) == "true"
-                               for p in await pods())  # fmt: skip
+                    async def counted() -> bool:
+                        return (await rcl_status(api, "edit")).get("switchesTotal", 0) >= 1
 
-                async def counted() -> bool:
-                    return (await status()).get("switchesTotal", 0) >= 1
-
-                await until(counted, 30, "the switch in the status")
-                events = await api.list("v1", "Event", NS, "")
-                assert any(e.get("reason") == "Switching" for e in events), events
+                    await until(counted, 30, "the switch in the status")
+                    events = await api.list("v1", "Event", NS, "")
+                    assert any(e.get("reason") == "Switching" for e in events), events
             finally:
                 stop_reports.set()
                 await reporter
-                stop.set_result(None)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait_for(op, 30)
-                await api.close()
 
     asyncio.run(main())
 
 
 def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_reported() -> None:
     async def main() -> None:
-        async with KubernetesEmulator() as k8s, Server(k8s):
-            _register_crd(k8s)
-            url = str(k8s.url).rstrip("/")
-            _server["url"] = url
-            api = KubeApi(url, ssl_context=False)
-            handlers.configure(api)
+        async with kmock_api() as api:
             await api.create(rcl("own", {"model": {"name": "m"}, "redis": {"managed": True}}))
             await api.create(rcl("byo", {"model": {"name": "m"}, "redis": {
                 "url": "redis://r:6379/0", "passwordSecretRef": {"name": "nope"}}}))  # fmt: skip
-            stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True,
-                                                   stop_flag=stop))  # fmt: skip
-            try:
+            async with running_operator():
 
                 async def redis_ready() -> bool:
                     return await api.get("apps/v1", "Deployment", NS, "own-redis") is not None
@@ -324,17 +312,11 @@ def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_
                 assert again is not None and again["stringData"]["password"] == password
 
                 async def reported() -> bool:
-                    obj = await api.get(f"{GROUP}/{VERSION}", KIND, NS, "byo")
-                    conds = ((obj or {}).get("status") or {}).get("conditions") or []
+                    conds = (await rcl_status(api, "byo")).get("conditions") or []
                     return any(c["reason"] == "SecretNotFound" and "nope" in c["message"]
                                for c in conds)  # fmt: skip
 
                 await until(reported, 20, "the SecretNotFound condition")
                 assert await api.list("v1", "Pod", NS, L.worker_selector("byo")) == []
-            finally:
-                stop.set_result(None)
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait_for(op, 30)
-                await api.close()
 
     asyncio.run(main())
