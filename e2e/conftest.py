@@ -56,10 +56,5 @@ def stack(workdir: Path, tiny_model: Path, redis_server: RedisServer) -> Iterato
         keys=KEYS,
         prefix_caching=False,
     )
-    s = LocalStack(cfg)
-    try:
-        s.start()
-        s.wait_ready(900)
+    with LocalStack(cfg) as s:
         yield s
-    finally:
-        s.stop()

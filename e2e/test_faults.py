@@ -36,13 +36,8 @@ def redis_faults(workdir: Path) -> Iterator[RedisServer]:
 def fstack(workdir: Path, tiny_model: Path, redis_faults: RedisServer) -> Iterator[LocalStack]:
     cfg = StackConfig(model=tiny_model, workdir=workdir / "faults", redis_url=redis_faults.url,
                       roles=[Role.DECODE, Role.DECODE], keys=KEYS)  # fmt: skip
-    s = LocalStack(cfg)
-    try:
-        s.start()
-        s.wait_ready(900)
+    with LocalStack(cfg) as s:
         yield s
-    finally:
-        s.stop()
 
 
 class Controller:

@@ -35,13 +35,8 @@ def restart_stack(
         keys=KEYS,
         switch_mode="restart",
     )
-    s = LocalStack(cfg)
-    try:
-        s.start()
-        s.wait_ready(900)
+    with LocalStack(cfg) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_relabel_restarts_the_engine_into_its_new_kv_role(restart_stack: LocalStack) -> None:

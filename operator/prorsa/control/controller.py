@@ -84,6 +84,7 @@ class Controller:
     last_forecast: Forecast | None = field(default=None, init=False)
     healthy: bool = field(default=False, init=False)
     switches_done: int = field(default=0, init=False)
+    decisions_made: int = field(default=0, init=False)
     _switching: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict, init=False)
     _malformed_counted: int = field(default=0, init=False)
 
@@ -169,6 +170,7 @@ class Controller:
     def _record(self, view: ClusterView, d: Decision, fc: Forecast | None) -> None:
         m = self.metrics
         m.decisions.inc()
+        self.decisions_made += 1
         for role, n in ((Role.PREFILL, d.target.prefill), (Role.DECODE, d.target.decode),
                         (Role.MIXED, d.target.mixed)):  # fmt: skip
             m.target.labels(role.value).set(n)

@@ -144,7 +144,7 @@ async def run_policy(
             view.cancel()
             stop.set()
             await control
-    return PolicyRun(policy, result, ctl.switches_done, int(ctl.metrics.decisions._value.get()))
+    return PolicyRun(policy, result, ctl.switches_done, ctl.decisions_made)
 
 
 def _summary(runs: list[PolicyRun], console: Console) -> None:

@@ -141,3 +141,15 @@ class LocalStack:
             self.router.stop(10)
         for w in self.workers:
             w.child.stop(40)
+
+    def __enter__(self) -> LocalStack:
+        """Start the workers and the router and wait until all are ready; stop on exit."""
+        try:
+            self.start().wait_ready(900)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -101,8 +101,7 @@ class Placement:
         if tokens > 0 and seconds > 0:
             self.prefill_tokens_per_s += 0.1 * (tokens / seconds - self.prefill_tokens_per_s)
 
-    def _decode_worker(self, facts: TurnFacts) -> Worker | None:
-        workers = list(self.pool.workers.values())
+    def _decode_worker(self, workers: list[Worker], facts: TurnFacts) -> Worker | None:
         decoders = [w for w in workers if healthy(w, facts) and serves_decode(w, facts)]
         sticky = next((w for w in decoders if w.name == facts.sticky), None)
         if sticky is not None:
@@ -115,21 +114,17 @@ class Placement:
 
     def plan(self, facts: TurnFacts, exclude: frozenset[str] = frozenset()) -> Plan | None:
         """None when no healthy worker is left (the caller answers 503)."""
-        d = self._decode_worker(facts)
-        if d is None or d.name in exclude:
-            others = [w for w in self.pool.workers.values() if w.name not in exclude]
-            d = pick(others, facts, [healthy, serves_decode], [self._hosted, inflight]) or pick(
-                others, facts, [healthy], [inflight]
-            )
-            if d is None:
-                return None
+        workers = [w for w in self.pool.workers.values() if w.name not in exclude]
+        d = self._decode_worker(workers, facts)
+        if d is None:
+            return None
         holds = facts.extends_context and d.name == facts.sticky
         worthy = pool_worthy(self.settings, holds, facts.new_tokens)
         local = Plan(d, None, worthy, holds)
         if not (worthy and facts.can_split and serves_decode(d, facts)):
             return local
         p = pick(
-            (w for w in self.pool.workers.values() if w is not d and w.name not in exclude),
+            (w for w in workers if w is not d),
             facts,
             [healthy, serves_prefill],
             [prefill_tokens_queued, inflight],
