@@ -287,10 +287,11 @@ def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_
                 "url": "redis://r:6379/0", "passwordSecretRef": {"name": "nope"}}}))  # fmt: skip
             async with running_operator():
 
-                async def redis_ready() -> bool:
-                    return await api.get("apps/v1", "Deployment", NS, "own-redis") is not None
+                async def reconciled() -> bool:  # the Redis first, the router later
+                    return await api.get("apps/v1", "Deployment", NS, "own-router") is not None
 
-                await until(redis_ready, 20, "the managed Redis")
+                await until(reconciled, 20, "the managed Redis and the router")
+                assert await api.get("apps/v1", "Deployment", NS, "own-redis") is not None
                 secret = await api.get("v1", "Secret", NS, "own-redis")
                 assert secret is not None
                 password = (secret.get("stringData") or {}).get("password", "")
