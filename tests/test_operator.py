@@ -13,9 +13,9 @@ import kopf
 from kmock import KubernetesEmulator, Server
 
 from prorsa.api.models import GROUP, KIND, PLURAL, SINGULAR, VERSION
-from prorsa.kube import handlers
+from prorsa.kube import handlers, rbac
 from prorsa.kube import labels as L
-from prorsa.kube.api import KubeApi
+from prorsa.kube.api import USER_AGENT, KubeApi
 
 NS = "team"
 _server: dict[str, str] = {}
@@ -38,6 +38,7 @@ CORE = [
 CLUSTER_SCOPED = [
     ("v1/namespaces", "Namespace"),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition"),
+    ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering"),
 ]
 
 
@@ -45,7 +46,8 @@ def _register_crd(k8s: KubernetesEmulator) -> None:
     for key, kind in CLUSTER_SCOPED:
         k8s.resources[key] = {"namespaced": False, "kind": kind, "singular": kind.lower(),
                               "shortnames": [], "categories": [], "subresources": [],
-                              "verbs": ["get", "list", "watch"]}  # fmt: skip
+                              "verbs": ["create", "delete", "get", "list", "patch",
+                                        "watch"]}  # fmt: skip
     verbs = ["create", "delete", "get", "list", "patch", "watch"]
     for key, kind in CORE:
         k8s.resources[key] = {"namespaced": True, "kind": kind, "singular": kind.lower(),
@@ -59,9 +61,11 @@ def _register_crd(k8s: KubernetesEmulator) -> None:
 
 
 def rcl(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    # kmock keeps no resourceVersion of its own; kopf's daemon bookkeeping tests for one
+    # kmock assigns neither a resourceVersion nor a uid; kopf's daemon bookkeeping needs the
+    # first, and keeps its per-object memory by the second (two objects without one share it)
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
-            "metadata": {"name": name, "namespace": NS, "resourceVersion": "1"},
+            "metadata": {"name": name, "namespace": NS, "resourceVersion": "1",
+                         "uid": f"uid-{name}"},
             "spec": spec}  # fmt: skip
 
 
@@ -74,27 +78,62 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: st
     raise AssertionError(f"timed out waiting for {what}")
 
 
+_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create",
+          "DELETE": "delete"}  # fmt: skip
+
+
+def operator_calls(k8s: KubernetesEmulator) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) of every request kopf and the handlers made (discovery
+    requests, which every account may make, name no resource)."""
+    calls = set()
+    for req in list(k8s):
+        agent = req.headers.get("User-Agent", "")
+        if (
+            req.resource is None
+            or req.resource.plural is None
+            or not agent.startswith(("kopf/", USER_AGENT))
+        ):
+            continue
+        verb = _VERBS.get(req.action.value if req.action else "") or (
+            "patch" if req.method.value == "PATCH" else "update")  # fmt: skip
+        plural = req.resource.plural + (f"/{req.subresource}" if req.subresource else "")
+        calls.add((req.resource.group or "", plural, verb))
+    return calls
+
+
 @contextlib.asynccontextmanager
 async def kmock_api() -> AsyncIterator[KubeApi]:
-    """kmock's API emulator with the resources the operator uses, and a client for it that
-    both kopf (through the login handler) and the handlers use."""
+    """kmock's API emulator with the resources the operator uses; the handlers get a client
+    of their own, the test another. On the way out: every request the operator made is one
+    the Helm chart's RBAC grants (`prorsa.kube.rbac`), so a new API call cannot go ungranted."""
     async with KubernetesEmulator() as k8s, Server(k8s):
         _register_crd(k8s)
         url = str(k8s.url).rstrip("/")
         _server["url"] = url
-        api = KubeApi(url, ssl_context=False)
-        handlers.configure(api)
+        operator_api = KubeApi(url, ssl_context=False)
+        api = KubeApi(url, ssl_context=False, user_agent="prorsa-tests")
+        handlers.configure(operator_api)
         try:
             yield api
         finally:
             await api.close()
+            await operator_api.close()
+        rules = rbac.operator_rules(clusterwide=True)
+        calls = operator_calls(k8s)
+        assert ("", "pods", "list") in calls  # the requests were seen at all
+        ungranted = {c for c in calls if not rbac.allowed(rules, *c)}
+        assert not ungranted, f"API calls the chart's RBAC does not grant: {sorted(ungranted)}"
 
 
 @contextlib.asynccontextmanager
-async def running_operator() -> AsyncIterator[None]:
-    """The real operator (every handler of prorsa.kube.handlers) for the duration."""
+async def running_operator(peering: str | None = None, priority: int = 0
+                           ) -> AsyncIterator[None]:  # fmt: skip
+    """The real operator (every handler of prorsa.kube.handlers) for the duration; alone, or
+    one replica of several that elect one through kopf peering."""
     stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    op = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True, stop_flag=stop))
+    op = asyncio.create_task(kopf.operator(
+        standalone=peering is None, peering_name=peering, priority=priority, clusterwide=True,
+        stop_flag=stop))  # fmt: skip
     try:
         yield
     finally:
@@ -108,6 +147,65 @@ async def rcl_status(api: KubeApi, name: str) -> dict[str, Any]:
     return (obj or {}).get("status") or {}
 
 
+async def worker_pods(api: KubeApi, cluster: str) -> list[dict[str, Any]]:
+    return await api.list("v1", "Pod", NS, L.worker_selector(cluster))
+
+
+async def mark_ready(api: KubeApi, cluster: str) -> None:
+    """What the kubelet would report once the engines answer."""
+    for i, p in enumerate(await worker_pods(api, cluster)):
+        await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
+            "podIP": f"127.0.0.{i + 2}",
+            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+
+
+async def role_counts(api: KubeApi, cluster: str) -> dict[str, int]:
+    roles = [p["metadata"]["labels"][L.ROLE] for p in await worker_pods(api, cluster)]
+    return {r: roles.count(r) for r in set(roles)}
+
+
+@contextlib.asynccontextmanager
+async def routers_reporting(redis_url: str, cluster: str, busy: dict[str, int]
+                            ) -> AsyncIterator[None]:  # fmt: skip
+    """A router's in-flight reports for the cluster's workers, every 100 ms: `busy` maps a
+    worker to its running decodes (edit it to change what the router reports)."""
+    import time
+
+    from redis.asyncio import Redis
+
+    from prorsa.events import inflight
+    from prorsa.events.keys import ClusterKeys
+
+    stop = asyncio.Event()
+    keys = ClusterKeys(NS, cluster)
+
+    async def report(r: Redis) -> None:
+        while not stop.is_set():
+            now = time.time()
+            await r.hset(keys.workers, mapping={
+                inflight.field(f"{cluster}-worker-{i}", "router-0"):
+                inflight.value(0, busy.get(f"{cluster}-worker-{i}", 0), now)
+                for i in range(8)})  # fmt: skip
+            await asyncio.sleep(0.1)
+
+    async with Redis.from_url(redis_url) as r:
+        task = asyncio.create_task(report(r))
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
+
+
+async def has_workers(api: KubeApi, cluster: str, n: int) -> bool:
+    return len(await worker_pods(api, cluster)) == n
+
+
+async def decided(api: KubeApi, cluster: str, target: str) -> bool:
+    last = (await rcl_status(api, cluster)).get("lastDecision") or {}
+    return bool(last.get("target") == target)
+
+
 def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> None:
     async def main() -> None:
         async with kmock_api() as api:
@@ -117,15 +215,8 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                 "allocation": {"policy": "static", "staticPrefill": 1},
             }))  # fmt: skip
             async with running_operator():
-
-                async def pods() -> list[dict[str, Any]]:
-                    return await api.list("v1", "Pod", NS, L.worker_selector("rl"))
-
-                async def n_pods(n: int) -> bool:
-                    return len(await pods()) == n
-
-                await until(lambda: n_pods(2), 20, "two worker pods")
-                got = await pods()
+                await until(lambda: has_workers(api, "rl", 2), 20, "two worker pods")
+                got = await worker_pods(api, "rl")
                 assert sorted(p["metadata"]["labels"][L.ROLE] for p in got) == [
                     "decode", "prefill"]  # fmt: skip
                 for p in got:
@@ -148,26 +239,21 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                     return bool((await rcl_status(api, "rl")).get("endpoint"))
 
                 await until(has_endpoint, 20, "the endpoint in the status")
-                for i, p in enumerate(got):  # what the kubelet would report
-                    await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
-                        "podIP": f"127.0.0.{i + 2}",
-                        "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
-
-                async def decided() -> bool:  # once it sees the two ready workers
-                    last = (await rcl_status(api, "rl")).get("lastDecision") or {}
-                    return last.get("target") == "1P:1D"
-
-                await until(decided, 30, "the controller daemon's decision over 2 workers")
+                await mark_ready(api, "rl")
+                await until(lambda: decided(api, "rl", "1P:1D"), 30,
+                            "the controller daemon's decision over 2 workers")  # fmt: skip
                 st = await rcl_status(api, "rl")
                 assert st["endpoint"] == "http://rl.team.svc:8080/v1"
                 assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")
 
                 await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "rl",
                                 {"spec": {"workers": {"replicas": 3}}})  # fmt: skip
-                await until(lambda: n_pods(3), 30, "scale up to three workers")
-                # Scaling down is covered by test_scale_down_picks_idle_workers: kmock's merge
-                # patch keeps keys set to null, so kopf's per-handler progress records are
-                # never purged there and a second update of one object is skipped.
+                await until(lambda: has_workers(api, "rl", 3), 30, "scale up to three workers")
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "rl",
+                                {"spec": {"workers": {"replicas": 2}}})  # fmt: skip
+                await until(lambda: has_workers(api, "rl", 2), 30, "scale down to two workers")
+                kept = sorted(p["metadata"]["name"] for p in await worker_pods(api, "rl"))
+                assert kept == ["rl-worker-0", "rl-worker-1"]  # the new, unready one went
 
                 assert await api.create(rcl("bad", {
                     "model": {"name": "m"}, "workers": {"replicas": 2},
@@ -209,72 +295,35 @@ def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
     """`kubectl edit` of allocation.staticPrefill: the cluster's controller daemon drains a
     decode worker, waits for the routers' in-flight reports, relabels it, says so in an Event
     and in the status."""
-    import time
-
-    from redis.asyncio import Redis
-
-    from prorsa.events import inflight
-    from prorsa.events.keys import ClusterKeys
 
     async def main() -> None:
-        async with kmock_api() as api, Redis.from_url(redis_url) as r:
+        async with kmock_api() as api, routers_reporting(redis_url, "edit", {}):
             await api.create(rcl("edit", {
                 "model": {"name": "m"}, "workers": {"replicas": 3}, "redis": {"url": redis_url},
                 "allocation": {"policy": "static", "staticPrefill": 1, "intervalSeconds": 1,
                                "cooldownSeconds": 0},
             }))  # fmt: skip
-            stop_reports = asyncio.Event()
+            async with running_operator():
+                await until(lambda: has_workers(api, "edit", 3), 20, "three workers")
+                await mark_ready(api, "edit")
+                await until(lambda: decided(api, "edit", "1P:2D"), 30,
+                            "the decision over three ready workers")  # fmt: skip
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
+                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
 
-            async def routers_report_idle() -> None:
-                keys = ClusterKeys(NS, "edit")
-                while not stop_reports.is_set():
-                    now = time.time()
-                    await r.hset(keys.workers, mapping={
-                        inflight.field(f"edit-worker-{i}", "router-0"): inflight.value(0, 0, now)
-                        for i in range(3)})  # fmt: skip
-                    await asyncio.sleep(0.1)
+                async def two_prefill() -> bool:
+                    return await role_counts(api, "edit") == {"prefill": 2, "decode": 1}
 
-            reporter = asyncio.create_task(routers_report_idle())
-            try:
-                async with running_operator():
+                await until(two_prefill, 60, "a worker relabelled to prefill")
+                for p in await worker_pods(api, "edit"):
+                    assert (p["metadata"].get("annotations") or {}).get(L.DRAINING) != "true"
 
-                    async def pods() -> list[dict[str, Any]]:
-                        return await api.list("v1", "Pod", NS, L.worker_selector("edit"))
+                async def counted() -> bool:
+                    return (await rcl_status(api, "edit")).get("switchesTotal", 0) >= 1
 
-                    async def three() -> bool:
-                        return len(await pods()) == 3
-
-                    await until(three, 20, "three workers")
-                    for i, p in enumerate(await pods()):
-                        await api.patch("v1", "Pod", NS, p["metadata"]["name"], {"status": {
-                            "podIP": f"127.0.0.{i + 2}",
-                            "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
-
-                    async def decided() -> bool:
-                        last = (await rcl_status(api, "edit")).get("lastDecision") or {}
-                        return last.get("target") == "1P:2D"
-
-                    await until(decided, 30, "the decision over three ready workers")
-                    await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
-                                    {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
-
-                    async def two_prefill() -> bool:
-                        roles = [p["metadata"]["labels"][L.ROLE] for p in await pods()]
-                        return roles.count("prefill") == 2
-
-                    await until(two_prefill, 60, "a worker relabelled to prefill")
-                    annotations = [p["metadata"].get("annotations") or {} for p in await pods()]
-                    assert not any(a.get(L.DRAINING) == "true" for a in annotations)
-
-                    async def counted() -> bool:
-                        return (await rcl_status(api, "edit")).get("switchesTotal", 0) >= 1
-
-                    await until(counted, 30, "the switch in the status")
-                    events = await api.list("v1", "Event", NS, "")
-                    assert any(e.get("reason") == "Switching" for e in events), events
-            finally:
-                stop_reports.set()
-                await reporter
+                await until(counted, 30, "the switch in the status")
+                events = await api.list("v1", "Event", NS, "")
+                assert any(e.get("reason") == "Switching" for e in events), events
 
     asyncio.run(main())
 
@@ -319,5 +368,165 @@ def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_
 
                 await until(reported, 20, "the SecretNotFound condition")
                 assert await api.list("v1", "Pod", NS, L.worker_selector("byo")) == []
+
+    asyncio.run(main())
+
+
+def test_calls_outside_the_granted_rules_are_caught() -> None:
+    """The RBAC check of `kmock_api` can fail: a verb or a resource beyond the list is."""
+    rules = rbac.operator_rules(clusterwide=True)
+    assert rbac.allowed(rules, "", "pods", "patch")
+    assert rbac.allowed(rules, "prorsa.io", "rolloutclusters/status", "patch")
+    assert not rbac.allowed(rules, "", "pods", "update")
+    assert not rbac.allowed(rules, "", "nodes", "list")
+    assert not rbac.allowed(rules, "apps", "deployments", "delete")
+    assert not rbac.allowed(rbac.operator_rules(clusterwide=False), "kopf.dev",
+                            "clusterkopfpeerings", "patch")  # fmt: skip
+
+
+def test_lifecycle_events_in_redis_make_the_predictive_daemon_relabel_workers(
+    redis_url: str,
+) -> None:
+    """The router's events (256 trajectories decoding long outputs, none waiting for prefill)
+    reach the daemon through Redis; the predictive policy moves both prefill workers to decode
+    through the drain protocol, and the status shows the forecast it acted on."""
+    import time
+
+    from redis.asyncio import Redis
+
+    from prorsa.events.keys import ClusterKeys
+    from prorsa.events.schema import encode
+    from prorsa.policy.lifecycle import Event, EventType
+
+    async def main() -> None:
+        async with kmock_api() as api, routers_reporting(redis_url, "pred", {}):
+            await api.create(rcl("pred", {
+                "model": {"name": "m"}, "workers": {"replicas": 4}, "redis": {"url": redis_url},
+                "allocation": {"policy": "predictive", "intervalSeconds": 1,
+                               "cooldownSeconds": 0},
+            }))  # fmt: skip
+            async with running_operator():
+                await until(lambda: has_workers(api, "pred", 4), 20, "four workers")
+                for p in (await worker_pods(api, "pred"))[:2]:  # as an earlier decision left them
+                    await api.patch("v1", "Pod", NS, p["metadata"]["name"],
+                                    {"metadata": {"labels": {L.ROLE: "prefill"}}})  # fmt: skip
+                await mark_ready(api, "pred")
+
+                await until(lambda: decided(api, "pred", "2P:2D"), 30,
+                            "a first decision over 2P:2D (no events yet)")  # fmt: skip
+                now = time.time()
+                async with Redis.from_url(redis_url) as r:
+                    stream = ClusterKeys(NS, "pred").events
+                    for i in range(256):
+                        t = f"traj-{i}"
+                        for ev in (
+                            Event(EventType.TRAJ_START, t, now - 30, group=f"g{i // 8}"),
+                            Event(EventType.TURN_SUBMIT, t, now - 29, prompt_tokens=2000,
+                                  uncached_tokens=2000),
+                            Event(EventType.PREFILL_DONE, t, now - 28, worker="pred-worker-0",
+                                  tokens=2000, seconds=0.1),
+                            Event(EventType.DECODE_DONE, t, now - 20, worker="pred-worker-2",
+                                  output_tokens=4000, seconds=60.0),
+                            Event(EventType.TURN_SUBMIT, t, now - 3, prompt_tokens=6000,
+                                  uncached_tokens=100),
+                            Event(EventType.PREFILL_DONE, t, now - 2, worker="pred-worker-0",
+                                  tokens=100, seconds=0.1),
+                        ):  # fmt: skip
+                            await r.xadd(stream, encode(ev))  # type: ignore[arg-type]
+
+                async def all_decode() -> bool:
+                    return await role_counts(api, "pred") == {"decode": 4}
+
+                await until(all_decode, 60, "both prefill workers relabelled to decode")
+                for p in await worker_pods(api, "pred"):
+                    assert (p["metadata"].get("annotations") or {}).get(L.DRAINING) != "true"
+                st = await rcl_status(api, "pred")
+                assert st["lastForecast"]["decodeSequences"] > 100
+                events = [e for e in await api.list("v1", "Event", NS, "")
+                          if e.get("reason") == "Switching"]  # fmt: skip
+                assert any("prefill->decode" in e["message"] for e in events), events
+
+    asyncio.run(main())
+
+
+def test_an_operator_restarted_mid_switch_finishes_it(redis_url: str) -> None:
+    """An edit asks for a second prefill worker while every decode worker is busy: the daemon
+    marks one draining and waits. The operator stops there (the drain mark and target role
+    stay on the pod); a new operator finds the half-done switch and, once the worker is idle,
+    finishes it."""
+
+    async def main() -> None:
+        busy = {f"mid-worker-{i}": 1 for i in range(3)}
+        async with kmock_api() as api, routers_reporting(redis_url, "mid", busy):
+            await api.create(rcl("mid", {
+                "model": {"name": "m"}, "workers": {"replicas": 3}, "redis": {"url": redis_url},
+                "allocation": {"policy": "static", "staticPrefill": 1, "intervalSeconds": 1,
+                               "cooldownSeconds": 0, "drainTimeoutSeconds": 600},
+            }))  # fmt: skip
+
+            async def draining() -> list[dict[str, Any]]:
+                return [
+                    p
+                    for p in await worker_pods(api, "mid")
+                    if (p["metadata"].get("annotations") or {}).get(L.DRAINING) == "true"
+                ]
+
+            async def one_draining() -> bool:
+                return len(await draining()) == 1
+
+            async with running_operator():
+                await until(lambda: has_workers(api, "mid", 3), 20, "three workers")
+                await mark_ready(api, "mid")
+
+                await until(lambda: decided(api, "mid", "1P:2D"), 30,
+                            "the decision over three ready workers")  # fmt: skip
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "mid",
+                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+                await until(one_draining, 30, "a busy decode worker marked draining")
+            [half_done] = await draining()  # the operator is gone; the switch is not
+            assert half_done["metadata"]["annotations"][L.TARGET_ROLE] == "prefill"
+            assert half_done["metadata"]["labels"][L.ROLE] == "decode"
+            busy.clear()  # its last decode finished while no operator ran
+            async with running_operator():
+
+                async def finished() -> bool:
+                    return await role_counts(api, "mid") == {"prefill": 2, "decode": 1}
+
+                await until(finished, 60, "the new operator finishing the switch")
+                assert await draining() == []
+                pod = await api.get("v1", "Pod", NS, half_done["metadata"]["name"])
+                assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "prefill"
+
+    asyncio.run(main())
+
+
+def test_a_replica_waits_while_a_higher_priority_peer_is_alive(redis_url: str) -> None:
+    """kopf peering: this operator (priority 10) sees a live peer of priority 1000 in the
+    ClusterKopfPeering and does nothing; when that peer is gone, it takes over."""
+    import datetime
+
+    async def main() -> None:
+        async with kmock_api() as api:
+            lastseen = datetime.datetime.now(datetime.UTC).isoformat()
+            peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                       "metadata": {"name": "prorsa"},
+                       "status": {"leader-pod": {"priority": 1000, "lifetime": 600,
+                                                 "lastseen": lastseen}}}  # fmt: skip
+            assert await api.create(peering)
+            await api.create(rcl("peer", {"model": {"name": "m"}, "workers": {"replicas": 2},
+                                          "redis": {"url": redis_url}}))  # fmt: skip
+            async with running_operator(peering="prorsa", priority=10):
+                await asyncio.sleep(6)
+                assert await worker_pods(api, "peer") == []  # the leader's job, not ours
+                st = await api.get("kopf.dev/v1", "ClusterKopfPeering", None, "prorsa")
+                assert st is not None and len(st["status"]) == 2  # we announced ourselves
+                await api.patch(
+                    "kopf.dev/v1",
+                    "ClusterKopfPeering",
+                    None,
+                    "prorsa",
+                    {"status": {"leader-pod": None}},
+                )  # the leader left
+                await until(lambda: has_workers(api, "peer", 2), 30, "this replica taking over")
 
     asyncio.run(main())

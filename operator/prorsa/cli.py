@@ -564,12 +564,20 @@ def run_operator(
     peering: Annotated[str, typer.Option(help="kopf peering name (replicas elect one)")] = (
         "prorsa"
     ),
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            help="peering priority: the live replica with the highest acts, the others wait "
+            "(default: random per process, so replicas never tie and freeze)"
+        ),
+    ] = None,
     liveness_port: Annotated[int, typer.Option(help="/healthz port (0: off)")] = 8080,
     log_format: Annotated[str, typer.Option(help="plain or json")] = "plain",
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
     """Run the Kubernetes operator (kopf underneath) for RolloutCluster objects."""
     import asyncio
+    import random
 
     import kopf
 
@@ -590,6 +598,7 @@ def run_operator(
             namespaces=namespace or [],
             standalone=standalone,
             peering_name=peering,
+            priority=random.randint(1, 2**31 - 1) if priority is None else priority,
             liveness_endpoint=liveness,
         )
     )

@@ -51,6 +51,10 @@ class ControllerConfig:
     read_block_ms: int = 250
     switch_mode: str = "routing"  # restart: a drain also waits for the engine to be idle
     max_backoff_s: float = 10.0
+    # on stop: True waits for switches in progress; False leaves them as they are (their state
+    # is on the workers) for the next controller to finish — an operator shutting down must
+    # not hold its pod for a whole drain timeout
+    finish_switches_on_stop: bool = True
 
 
 def cluster_view(workers: list[WorkerStatus]) -> ClusterView:
@@ -149,6 +153,17 @@ class Controller:
         if self._switching:
             await asyncio.gather(*self._switching.values(), return_exceptions=True)
 
+    async def abandon_switches(self) -> None:
+        """Stop watching the switches in progress; they stay half-done on the workers (drain
+        mark and target role) and the next controller's `recover` finishes them."""
+        tasks = list(self._switching.values())
+        if tasks:
+            log.info("leaving %d switch(es) in progress to the next controller: %s",
+                     len(tasks), ", ".join(self._switching))  # fmt: skip
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # ---- one decision -------------------------------------------------------------------------
 
     async def decide(self) -> Decision:
@@ -206,6 +221,17 @@ class Controller:
             self._malformed_counted = self.reader.malformed
 
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self._loop(stop)
+        except asyncio.CancelledError:
+            await self.abandon_switches()  # cancelled: never leave orphaned switch tasks
+            raise
+        if self.config.finish_switches_on_stop:
+            await self.wait_switches()
+        else:
+            await self.abandon_switches()
+
+    async def _loop(self, stop: asyncio.Event) -> None:
         backoff = 0.5
         recovered = False
         next_decision = 0.0
@@ -238,4 +264,3 @@ class Controller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(backoff * 2, self.config.max_backoff_s)
-        await self.wait_switches()

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+USER_AGENT = "prorsa-operator"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 PLURALS = {
@@ -27,6 +28,7 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "RolloutCluster": "rolloutclusters",
     "Event": "events",  # posted by kopf (kopf.info / kopf.warn); read back by tests
+    "ClusterKopfPeering": "clusterkopfpeerings",  # kopf peering (tests set up peers)
 }
 
 
@@ -40,9 +42,11 @@ class Conflict(ApiError):
     """409: the object changed since it was read (or already exists)."""
 
 
-def path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+def path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    """The REST path; `namespace=None` for a cluster-scoped kind."""
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    p = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    scope = f"/namespaces/{namespace}" if namespace is not None else ""
+    p = f"{base}{scope}/{PLURALS[kind]}"
     return f"{p}/{name}" if name else p
 
 
@@ -58,8 +62,10 @@ def matches(obj: dict[str, Any], selector: str) -> bool:
 
 class KubeApi:
     def __init__(self, server: str, token: str | None = None,
-                 ssl_context: ssl.SSLContext | bool = True) -> None:  # fmt: skip
+                 ssl_context: ssl.SSLContext | bool = True,
+                 user_agent: str = USER_AGENT) -> None:  # fmt: skip
         self.server = server.rstrip("/")
+        self.user_agent = user_agent
         self.token = token
         self.ssl = ssl_context
         self._session: aiohttp.ClientSession | None = None
@@ -76,7 +82,9 @@ class KubeApi:
     async def _request(self, method: str, url: str, body: Any = None,
                        content_type: str = "application/json") -> Any:  # fmt: skip
         if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            headers = {"User-Agent": self.user_agent}
+            if self.token:
+                headers["Authorization"] = f"Bearer {self.token}"
             self._session = aiohttp.ClientSession(headers=headers)
         async with self._session.request(
             method, self.server + url, json=body, ssl=self.ssl,
@@ -97,13 +105,13 @@ class KubeApi:
         """Create `obj`; False when it already exists (idempotent)."""
         meta = obj["metadata"]
         try:
-            await self._request("POST", path(obj["apiVersion"], obj["kind"], meta["namespace"]),
+            await self._request("POST", path(obj["apiVersion"], obj["kind"], meta.get("namespace")),
                                 obj)  # fmt: skip
             return True
         except Conflict:
             return False
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str
+    async def get(self, api_version: str, kind: str, namespace: str | None, name: str
                   ) -> dict[str, Any] | None:  # fmt: skip
         try:
             out: dict[str, Any] = await self._request("GET", path(api_version, kind, namespace,
@@ -121,7 +129,7 @@ class KubeApi:
         items: list[dict[str, Any]] = data.get("items") or []
         return [o for o in items if matches(o, selector)]  # also against lax servers
 
-    async def patch(self, api_version: str, kind: str, namespace: str, name: str,
+    async def patch(self, api_version: str, kind: str, namespace: str | None, name: str,
                     patch: dict[str, Any], resource_version: str | None = None
                     ) -> dict[str, Any]:  # fmt: skip
         """Merge-patch; with `resource_version`, fail with Conflict if the object changed."""
@@ -141,7 +149,7 @@ class KubeApi:
             "application/merge-patch+json",
         )  # fmt: skip
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         try:
             await self._request("DELETE", path(api_version, kind, namespace, name))
             return True

@@ -14,6 +14,7 @@ from typing import Any
 
 from prorsa.api.models import DEFAULT_OPERATOR_IMAGE, GROUP, KIND, VERSION, RolloutClusterSpec
 from prorsa.kube import labels as L
+from prorsa.kube.rbac import ROUTER_RULES
 from prorsa.policy.allocate import Role
 
 PROBE_PORT = 8081
@@ -178,7 +179,7 @@ def router_rbac(cluster: str, namespace: str, owner: dict[str, Any]) -> list[dic
          "metadata": _meta(name, namespace, owner, L.ROUTER, cluster)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
          "metadata": _meta(name, namespace, owner, L.ROUTER, cluster),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+         "rules": [r.as_dict() for r in ROUTER_RULES]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
          "metadata": _meta(name, namespace, owner, L.ROUTER, cluster),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},

@@ -61,6 +61,13 @@ def api() -> KubeApi:
     return _api
 
 
+@kopf.on.startup()
+def _settings(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Serve only what exists at start (the chart installs the CRD first): no cluster-wide
+    scanning of namespaces and CRDs, so a namespaced install needs no ClusterRole."""
+    settings.scanning.disabled = True
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -307,6 +314,7 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
             default_capacity(),
             drain_timeout_s=spec.allocation.drainTimeoutSeconds,
             switch_mode=spec.kvTransfer.switchMode,
+            finish_switches_on_stop=False,  # a restarted operator finishes them (recover)
         ),
         on_decision=report,
     )
