@@ -530,3 +530,26 @@ def test_a_replica_waits_while_a_higher_priority_peer_is_alive(redis_url: str) -
                 await until(lambda: has_workers(api, "peer", 2), 30, "this replica taking over")
 
     asyncio.run(main())
+
+
+def test_workers_the_scheduler_cannot_place_make_the_cluster_degraded() -> None:
+    """Too few GPUs or nodes: the spec is valid but cannot be honoured, and the status says
+    why (the scheduler's own message), instead of sitting in Pending silently."""
+    from prorsa.api.models import parse_spec
+    from prorsa.kube.handlers import _status
+
+    spec = parse_spec({"model": {"name": "m"}, "workers": {"replicas": 2}})
+    placed = {"metadata": {"name": "c-worker-0", "labels": {L.ROLE: "decode"}},
+              "status": {"conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    stuck = {"metadata": {"name": "c-worker-1", "labels": {L.ROLE: "prefill"}},
+             "status": {"conditions": [{
+                 "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+             }]}}  # fmt: skip
+    st = _status("c", NS, spec, 3, [placed, stuck])
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
+    assert "c-worker-1" in degraded["message"] and "nvidia.com/gpu" in degraded["message"]
+    assert st["ready"] == 1 and st["prefill"] == 1 and st["decode"] == 1
+    healthy = _status("c", NS, spec, 3, [placed])
+    assert next(c for c in healthy["conditions"] if c["type"] == "Degraded")["status"] == "False"

@@ -181,13 +181,8 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
         kopf.info(body, reason="ScaledUp",
                   message=f"added {len(new_roles)} worker(s): " +
                   ", ".join(r.value for r in new_roles))  # fmt: skip
-    workers = live[:n]
-    roles_now = [p["metadata"]["labels"].get(L.ROLE, "") for p in workers]
-    roles_now += [r.value for r in new_roles]
     patch.status.update(
-        _status(
-            name, namespace, spec, generation, roles_now, sum(_ready(p) for p in workers), created
-        )
+        _status(name, namespace, spec, generation, live[:n], [r.value for r in new_roles], created)
     )
 
 
@@ -207,15 +202,33 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, **_: Any) -
         return  # reconcile has said why
     pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    roles = [p["metadata"]["labels"].get(L.ROLE, "") for p in live]
     generation = int(owner.get("metadata", {}).get("generation") or 0)
-    status = _status(cluster, namespace, spec, generation, roles, sum(_ready(p) for p in live), 0)
+    status = _status(cluster, namespace, spec, generation, live)
     await k.patch_status(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster, status)
 
 
+def _unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's reason when it cannot place the pod (too few GPUs or nodes, taints)."""
+    for c in (pod.get("status") or {}).get("conditions") or ():
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return str(c.get("message") or c.get("reason") or "unschedulable")
+    return None
+
+
 def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int,
-            roles: list[str], ready: int, created: int) -> dict[str, Any]:  # fmt: skip
+            workers: list[dict[str, Any]], new_roles: list[str] | None = None,
+            created: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The status `kubectl get rcl` shows, from the worker pods (and those just created)."""
     n = spec.workers.replicas
+    roles = [p["metadata"]["labels"].get(L.ROLE, "") for p in workers] + (new_roles or [])
+    ready = sum(_ready(p) for p in workers)
+    pending = [(p["metadata"]["name"], why) for p in workers
+               if (why := _unschedulable(p)) is not None]  # fmt: skip
+    degraded = condition("Degraded", False, "Healthy", "", generation)
+    if pending:
+        degraded = condition("Degraded", True, "Unschedulable",
+                             f"{len(pending)} worker(s) cannot be scheduled, e.g. "
+                             f"{pending[0][0]}: {pending[0][1]}", generation)  # fmt: skip
     by_role = Counter(roles)
     return {
         "phase": "Running" if ready else "Pending",
@@ -233,7 +246,7 @@ def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int
             condition("Progressing", bool(created) or ready < n or len(roles) != n,
                       "Reconciling" if len(roles) != n or ready < n else "Reconciled",
                       f"{len(roles)}/{n} workers, {ready} ready", generation),
-            condition("Degraded", False, "Healthy", "", generation),
+            degraded,
         ],
     }  # fmt: skip
 
