@@ -201,6 +201,14 @@ async def has_workers(api: KubeApi, cluster: str, n: int) -> bool:
     return len(await worker_pods(api, cluster)) == n
 
 
+def _operator_metrics() -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(handlers.METRICS)
+    return generate_latest(registry).decode()
+
+
 async def decided(api: KubeApi, cluster: str, target: str) -> bool:
     last = (await rcl_status(api, cluster)).get("lastDecision") or {}
     return bool(last.get("target") == target)
@@ -242,6 +250,9 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                 await mark_ready(api, "rl")
                 await until(lambda: decided(api, "rl", "1P:1D"), 30,
                             "the controller daemon's decision over 2 workers")  # fmt: skip
+                exposition = _operator_metrics()  # what `prorsa operator` serves on /metrics
+                assert 'prorsa_target_workers{cluster="rl",namespace="team",role="prefill"} 1.0' \
+                    in exposition  # fmt: skip
                 st = await rcl_status(api, "rl")
                 assert st["endpoint"] == "http://rl.team.svc:8080/v1"
                 assert st["replicas"] == 2 and st["selector"] == L.worker_selector("rl")

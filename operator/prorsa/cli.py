@@ -20,9 +20,10 @@ from prorsa.sim.engine import SimConfig
 from prorsa.sim.workload import WorkloadError, load_workload
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from collections.abc import Callable
 
-    from prorsa.control.controller import Controller
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
 
 app = typer.Typer(
     add_completion=False,
@@ -450,7 +451,9 @@ def controller(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        runner = await _serve_metrics(ctl, metrics_port) if metrics_port else None
+        runner = None
+        if metrics_port:
+            runner = await _serve_metrics(ctl.metrics.registry, metrics_port, lambda: ctl.healthy)
         try:
             await ctl.run(stop)
         finally:
@@ -461,22 +464,26 @@ def controller(
     asyncio.run(main())
 
 
-async def _serve_metrics(ctl: Controller, port: int) -> web.AppRunner:
+async def _serve_metrics(registry: CollectorRegistry, port: int,
+                         healthy: Callable[[], bool] | None = None) -> web.AppRunner:  # fmt: skip
+    """`/metrics` (and `/healthz` when given a health check) on `port`."""
     from aiohttp import web
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(ctl.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
-
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"redis": ctl.healthy}, status=200 if ctl.healthy else 503)
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
+    if healthy is not None:
+        check = healthy
+
+        async def healthz(_: web.Request) -> web.Response:
+            ok = check()
+            return web.json_response({"redis": ok}, status=200 if ok else 503)
+
+        app.router.add_get("/healthz", healthz)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "0.0.0.0", port).start()
@@ -572,6 +579,9 @@ def run_operator(
         ),
     ] = None,
     liveness_port: Annotated[int, typer.Option(help="/healthz port (0: off)")] = 8080,
+    metrics_port: Annotated[
+        int, typer.Option(help="/metrics port: every cluster's controller (0: off)")
+    ] = 9090,
     log_format: Annotated[str, typer.Option(help="plain or json")] = "plain",
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
@@ -581,7 +591,7 @@ def run_operator(
 
     import kopf
 
-    from prorsa.kube import handlers  # noqa: F401  (registers the handlers)
+    from prorsa.kube import handlers  # registers the handlers
 
     if bool(namespace) == all_namespaces:
         raise _fail("give --namespace (one or more) or --all-namespaces")
@@ -592,16 +602,27 @@ def run_operator(
         log_format=kopf.LogFormat.JSON if log_format == "json" else kopf.LogFormat.PLAIN,
     )
     liveness = f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None
-    asyncio.run(
-        kopf.operator(
-            clusterwide=all_namespaces,
-            namespaces=namespace or [],
-            standalone=standalone,
-            peering_name=peering,
-            priority=random.randint(1, 2**31 - 1) if priority is None else priority,
-            liveness_endpoint=liveness,
-        )
-    )
+
+    async def main() -> None:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        registry.register(handlers.METRICS)
+        runner = await _serve_metrics(registry, metrics_port) if metrics_port else None
+        try:
+            await kopf.operator(
+                clusterwide=all_namespaces,
+                namespaces=namespace or [],
+                standalone=standalone,
+                peering_name=peering,
+                priority=random.randint(1, 2**31 - 1) if priority is None else priority,
+                liveness_endpoint=liveness,
+            )
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
+    asyncio.run(main())
 
 
 def main() -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _SWITCH_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -47,3 +51,28 @@ class ControllerMetrics:
                                   registry=r)  # fmt: skip
         self.up = Gauge("prorsa_controller_redis_up", "1 when Redis answers, 0 while it does not",
                         registry=r)  # fmt: skip
+
+
+class ClusterMetrics(Collector):
+    """The controllers of many RolloutClusters (one per kopf daemon in the operator) served as
+    one exposition: each sample gains `namespace` and `cluster` labels."""
+
+    def __init__(self) -> None:
+        self._registries: dict[tuple[str, str], CollectorRegistry] = {}
+
+    def add(self, namespace: str, cluster: str, registry: CollectorRegistry) -> None:
+        self._registries[(namespace, cluster)] = registry
+
+    def remove(self, namespace: str, cluster: str) -> None:
+        self._registries.pop((namespace, cluster), None)
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for (namespace, cluster), registry in sorted(self._registries.items()):
+            for family in registry.collect():
+                out = merged.setdefault(family.name, Metric(
+                    family.name, family.documentation, family.type, family.unit))  # fmt: skip
+                for s in family.samples:
+                    labels = {**s.labels, "namespace": namespace, "cluster": cluster}
+                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+        yield from merged.values()

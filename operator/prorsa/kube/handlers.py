@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from prorsa.api.models import GROUP, PLURAL, VERSION, RolloutClusterSpec, parse_spec
 from prorsa.control.controller import Controller, ControllerConfig
+from prorsa.control.metrics import ClusterMetrics
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventReader
 from prorsa.kube import builders as b
@@ -37,6 +38,7 @@ from prorsa.policy.forecast import Forecast
 
 log = logging.getLogger(__name__)
 _api: KubeApi | None = None
+METRICS = ClusterMetrics()  # every daemon's controller metrics, served by `prorsa operator`
 _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role counts use it
 
 
@@ -338,9 +340,11 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
         stop.set()
 
     waiter = asyncio.create_task(until_stopped())
+    METRICS.add(namespace, name, ctl.metrics.registry)
     try:
         await ctl.run(stop)
     finally:
+        METRICS.remove(namespace, name)
         waiter.cancel()
         await redis.aclose()
 
