@@ -228,7 +228,8 @@ def endpoint(cluster: str, namespace: str, spec: RolloutClusterSpec) -> str:
 
 
 def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
-             roles: list[Role]) -> list[dict[str, Any]]:  # fmt: skip
+             roles: list[Role], router_image: str = DEFAULT_OPERATOR_IMAGE
+             ) -> list[dict[str, Any]]:  # fmt: skip
     """Everything the cluster needs besides a managed Redis, in creation order."""
     owner = owner_reference(cluster, uid)
     objs = [
@@ -236,6 +237,6 @@ def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
         router_service(cluster, namespace, owner, spec),
     ]
     objs += [role_service(cluster, namespace, owner, r, spec) for r in (Role.PREFILL, Role.DECODE)]
-    objs.append(router_deployment(cluster, namespace, owner, spec))
+    objs.append(router_deployment(cluster, namespace, owner, spec, router_image))
     objs += [worker_pod(cluster, namespace, owner, spec, i, r) for i, r in enumerate(roles)]
     return objs

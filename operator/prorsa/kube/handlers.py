@@ -13,6 +13,7 @@ import base64
 import contextlib
 import datetime
 import logging
+import os
 import secrets
 import socket
 from collections import Counter
@@ -23,7 +24,14 @@ import kopf
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from prorsa.api.models import GROUP, PLURAL, VERSION, RolloutClusterSpec, parse_spec
+from prorsa.api.models import (
+    DEFAULT_OPERATOR_IMAGE,
+    GROUP,
+    PLURAL,
+    VERSION,
+    RolloutClusterSpec,
+    parse_spec,
+)
 from prorsa.control.controller import Controller, ControllerConfig
 from prorsa.control.metrics import ClusterMetrics
 from prorsa.events.keys import ClusterKeys
@@ -48,6 +56,11 @@ def default_capacity() -> RoleCapacity:
     from prorsa.sim.costmodel import preset
 
     return preset("h200").role_capacity()
+
+
+def router_image() -> str:
+    """The routers run the operator's own image (the chart sets PRORSA_IMAGE to it)."""
+    return os.environ.get("PRORSA_IMAGE") or DEFAULT_OPERATOR_IMAGE
 
 
 def configure(api: KubeApi) -> None:
@@ -171,7 +184,8 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     new_roles = wanted_roles(spec, roles, n)
     used = {_index(p) for p in live}
     free = (i for i in range(10**6) if i not in used)
-    objs = [o for o in b.children(name, namespace, uid, spec, []) if o["kind"] != "Pod"]
+    objs = [o for o in b.children(name, namespace, uid, spec, [], router_image())
+            if o["kind"] != "Pod"]  # fmt: skip
     objs += [b.worker_pod(name, namespace, owner, spec, next(free), r) for r in new_roles]
     created = 0
     for obj in objs:
