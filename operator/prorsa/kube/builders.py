@@ -62,8 +62,8 @@ def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: Rollou
     meta["annotations"] = {L.PORT: str(w.port)}
     limits = {**w.resources.limits}
     limits.setdefault("nvidia.com/gpu", str(w.gpusPerWorker))
-    args = [
-        "worker", "--model", spec.model.name, "--name", name, "--port", str(w.port),
+    args = [  # the worker image's entrypoint is `prorsa worker`
+        "--model", spec.model.name, "--name", name, "--port", str(w.port),
         "--role", role.value, "--role-file", f"{LABELS_DIR}/labels",
         "--connector", spec.kvTransfer.connector, "--switch-mode", spec.kvTransfer.switchMode,
         "--side-channel-host", "$(POD_IP)", "--side-channel-port", str(SIDE_CHANNEL_PORT),
