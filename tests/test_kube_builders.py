@@ -73,3 +73,28 @@ def test_router_points_at_redis_with_the_secret_and_watches_pods() -> None:
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
                               "verbs": ["get", "list", "watch"]}]  # fmt: skip
     assert b.endpoint("rl", "team", SPEC) == "http://rl.team.svc:8080/v1"
+
+
+def test_the_trainer_pod_is_the_users_template_wired_to_the_endpoint() -> None:
+    spec = parse_spec({
+        "model": {"name": "m"},
+        "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "rs"}},
+        "trainer": {"template": {
+            "metadata": {"labels": {"team": "rl"}},
+            "spec": {"containers": [{"name": "grpo", "image": "trainer:1",
+                                     "env": [{"name": "OPENAI_API_KEY", "value": "mine"}]}]}}},
+    })  # fmt: skip
+    objs = b.children("rc", "ns", "uid", spec, [Role.DECODE])
+    [pod] = [o for o in objs if o["metadata"]["name"] == "rc-trainer"]
+    assert pod["metadata"]["labels"] == {"team": "rl", L.CLUSTER: "rc", L.COMPONENT: "trainer"}
+    assert pod["metadata"]["ownerReferences"][0]["name"] == "rc"
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["OPENAI_BASE_URL"]["value"] == "http://rc.ns.svc:8080/v1"
+    assert env["PRORSA_ENDPOINT"]["value"] == env["OPENAI_BASE_URL"]["value"]
+    assert env["PRORSA_TRAJECTORY_HEADER"]["value"] == "X-Prorsa-Trajectory"
+    assert env["PRORSA_REDIS_URL"]["value"] == "redis://r:6379/0"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rs"
+    assert env["OPENAI_API_KEY"]["value"] == "mine"  # the user's own setting wins
+    without = b.children("rc", "ns", "uid", parse_spec({"model": {"name": "m"}}), [])
+    assert not [o for o in without if o["metadata"]["name"] == "rc-trainer"]

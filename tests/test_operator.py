@@ -221,6 +221,8 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                 "model": {"name": "Qwen/Qwen3-8B"}, "workers": {"replicas": 2},
                 "redis": {"url": redis_url},
                 "allocation": {"policy": "static", "staticPrefill": 1},
+                "trainer": {"template": {"spec": {"containers": [
+                    {"name": "grpo", "image": "trainer:1"}]}}},
             }))  # fmt: skip
             async with running_operator():
                 await until(lambda: has_workers(api, "rl", 2), 20, "two worker pods")
@@ -239,6 +241,9 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                     for child in children:  # deleting the RolloutCluster collects them
                         [ref] = child["metadata"]["ownerReferences"]
                         assert ref["kind"] == KIND and ref["name"] == "rl" and ref["controller"]
+                trainer = await api.get("v1", "Pod", NS, "rl-trainer")
+                assert trainer is not None  # wired to the endpoint (test_kube_builders)
+                assert trainer["metadata"]["labels"][L.COMPONENT] == "trainer"
                 svc = await api.get("v1", "Service", NS, "rl")
                 assert svc is not None and svc["spec"]["selector"][L.COMPONENT] == "router"
                 assert await api.get("apps/v1", "Deployment", NS, "rl-router") is not None

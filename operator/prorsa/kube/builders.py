@@ -16,6 +16,7 @@ from prorsa.api.models import DEFAULT_OPERATOR_IMAGE, GROUP, KIND, VERSION, Roll
 from prorsa.kube import labels as L
 from prorsa.kube.rbac import ROUTER_RULES
 from prorsa.policy.allocate import Role
+from prorsa.router.requests import TRAJECTORY_HEADER
 
 PROBE_PORT = 8081
 SIDE_CHANNEL_PORT = 5600
@@ -227,6 +228,38 @@ def endpoint(cluster: str, namespace: str, spec: RolloutClusterSpec) -> str:
     return f"http://{cluster}.{namespace}.svc:{spec.router.port}/v1"
 
 
+def trainer_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec
+                ) -> dict[str, Any] | None:  # fmt: skip
+    """The user's trainer, from their pod template, wired to the cluster: the endpoint (also
+    as OPENAI_BASE_URL, so OpenAI clients need no code), the trajectory header, the Redis."""
+    if spec.trainer is None:
+        return None
+    template = spec.trainer.template.model_dump()
+    pod_spec: dict[str, Any] = dict(template.get("spec") or {})
+    pod_spec.setdefault("restartPolicy", "OnFailure")
+    url = endpoint(cluster, namespace, spec)
+    wiring = [
+        {"name": "PRORSA_ENDPOINT", "value": url},
+        {"name": "OPENAI_BASE_URL", "value": url},
+        {"name": "OPENAI_API_KEY", "value": "unused"},  # the router asks for none
+        {"name": "PRORSA_TRAJECTORY_HEADER", "value": TRAJECTORY_HEADER},
+        {"name": "PRORSA_REDIS_URL", "value": redis_url(cluster, spec)},
+        *redis_password_env(cluster, spec),
+    ]
+    containers = []
+    for c in pod_spec.get("containers") or []:
+        own = {e.get("name") for e in c.get("env") or []}
+        containers.append({**c, "env": [*(c.get("env") or []),
+                                        *(e for e in wiring if e["name"] not in own)]})  # fmt: skip
+    pod_spec["containers"] = containers
+    meta = _meta(f"{cluster}-trainer", namespace, owner, L.TRAINER, cluster)
+    user_meta = template.get("metadata") or {}
+    meta["labels"] = {**(user_meta.get("labels") or {}), **meta["labels"]}
+    if user_meta.get("annotations"):
+        meta["annotations"] = dict(user_meta["annotations"])
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
 def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
              roles: list[Role], router_image: str = DEFAULT_OPERATOR_IMAGE
              ) -> list[dict[str, Any]]:  # fmt: skip
@@ -239,4 +272,7 @@ def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
     objs += [role_service(cluster, namespace, owner, r, spec) for r in (Role.PREFILL, Role.DECODE)]
     objs.append(router_deployment(cluster, namespace, owner, spec, router_image))
     objs += [worker_pod(cluster, namespace, owner, spec, i, r) for i, r in enumerate(roles)]
+    trainer = trainer_pod(cluster, namespace, owner, spec)
+    if trainer is not None:
+        objs.append(trainer)
     return objs

@@ -184,8 +184,7 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     new_roles = wanted_roles(spec, roles, n)
     used = {_index(p) for p in live}
     free = (i for i in range(10**6) if i not in used)
-    objs = [o for o in b.children(name, namespace, uid, spec, [], router_image())
-            if o["kind"] != "Pod"]  # fmt: skip
+    objs = b.children(name, namespace, uid, spec, [], router_image())  # all but the workers
     objs += [b.worker_pod(name, namespace, owner, spec, next(free), r) for r in new_roles]
     created = 0
     for obj in objs:

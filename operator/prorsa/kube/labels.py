@@ -9,6 +9,7 @@ PORT = "prorsa.io/port"  # annotation: the worker's vLLM port (default 8000)
 
 WORKER = "worker"
 ROUTER = "router"
+TRAINER = "trainer"
 
 
 def worker_selector(cluster: str) -> str:
