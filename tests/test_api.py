@@ -79,7 +79,7 @@ def _openapi_to_jsonschema(node: Any) -> Any:
     return node
 
 
-def _crd_valid(spec: dict[str, Any]) -> bool:
+def crd_valid(spec: dict[str, Any]) -> bool:
     schema = _openapi_to_jsonschema(_schema()["properties"]["spec"])
     try:
         jsonschema.validate(spec, schema)
@@ -108,7 +108,7 @@ GOOD = [
 @pytest.mark.parametrize("spec", GOOD)
 def test_good_specs_pass_models_and_schema(spec: dict[str, Any]) -> None:
     parse_spec(spec)
-    assert _crd_valid(spec)
+    assert crd_valid(spec)
 
 
 def test_defaults_come_from_the_policy_settings() -> None:
@@ -140,14 +140,14 @@ BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refu
 def test_bad_specs_fail_both_with_the_field_named(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError, match=field):
         RolloutClusterSpec.model_validate(spec)
-    assert not _crd_valid(spec)
+    assert not crd_valid(spec)
 
 
 @pytest.mark.parametrize(("spec", "message"), BAD_CROSS_FIELD)
 def test_cross_field_rules(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         RolloutClusterSpec.model_validate(spec)
-    assert _crd_valid(spec)  # only CEL catches these at the API server
+    assert crd_valid(spec)  # only CEL catches these at the API server
 
 
 def test_unknown_fields_are_refused_by_the_models() -> None:

@@ -1,0 +1,77 @@
+"""The examples a user applies first: every manifest is valid (RolloutClusters against the CRD
+schema and the models, the rest against the Kubernetes schemas), and they say what their
+comments promise (16 predictive GPUs, the baselines, the trainer's endpoint)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from prorsa.api.models import KIND, parse_spec
+from prorsa.kube import builders as b
+from test_api import crd_valid
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+
+
+def cluster(name: str) -> dict[str, Any]:
+    [rc] = [d for d in docs(name) if d["kind"] == KIND]
+    return rc
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_example_manifest_is_valid(name: str) -> None:
+    for doc in docs(name):
+        if doc["kind"] == KIND:
+            assert crd_valid(doc["spec"]), f"{name}: the CRD schema refuses it"
+            parse_spec(doc["spec"])  # the models (and the cross-field rules) accept it
+        else:
+            kubernetes_validate.validate(doc, "1.37.0", strict=True)
+
+
+def test_the_swe_example_is_16_gpus_under_the_predictive_policy() -> None:
+    spec = parse_spec(cluster("swe-agent-predictive.yaml")["spec"])
+    assert spec.workers.replicas * spec.workers.gpusPerWorker == 16
+    assert spec.allocation.policy == "predictive" and spec.trainer is not None
+
+
+def test_the_baselines_differ_from_the_swe_example_only_in_the_policy() -> None:
+    swe = parse_spec(cluster("swe-agent-predictive.yaml")["spec"])
+    for name, policy in (("baseline-colocated.yaml", "colocated"),
+                         ("baseline-static.yaml", "static")):  # fmt: skip
+        base = parse_spec(cluster(name)["spec"])
+        assert base.allocation.policy == policy
+        assert base.model.name == swe.model.name and base.workers.replicas == swe.workers.replicas
+        assert base.workers.engineArgs == swe.workers.engineArgs
+
+
+def test_the_trainer_pod_talks_to_the_swe_clusters_endpoint_with_trajectory_ids() -> None:
+    [pod] = docs("trainer-pod.yaml")
+    [c] = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    rc = cluster("swe-agent-predictive.yaml")
+    assert env["OPENAI_BASE_URL"] == b.endpoint(rc["metadata"]["name"], "rl",
+                                                parse_spec(rc["spec"]))  # fmt: skip
+    script = c["args"][0]
+    ast.parse(script)
+    for path in ("/v1/chat/completions", "tool_start", "tool_end", "/end"):
+        assert path in script
+    assert "X-Prorsa-Trajectory" in script
+
+
+def test_the_byo_redis_example_ships_the_secret_it_references() -> None:
+    manifests = docs("bring-your-own-redis.yaml")
+    secret = next(d for d in manifests if d["kind"] == "Secret")
+    spec = parse_spec(cluster("bring-your-own-redis.yaml")["spec"])
+    assert spec.redis.passwordSecretRef is not None and not spec.redis.managed
+    assert spec.redis.passwordSecretRef.name == secret["metadata"]["name"]
+    assert spec.redis.passwordSecretRef.key in secret["stringData"]
