@@ -153,3 +153,14 @@ def test_cross_field_rules(spec: dict[str, Any], message: str) -> None:
 def test_unknown_fields_are_refused_by_the_models() -> None:
     with pytest.raises(ValidationError, match="replicaz"):
         parse_spec({"model": {"name": "m"}, "workers": {"replicaz": 3}})
+
+
+def test_the_configuration_reference_matches_the_models() -> None:
+    """docs/configuration.md is `prorsa reference`: regenerate it after changing the models."""
+    from prorsa.api.reference import reference
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == reference()
+    for field in ("spec.allocation.horizonSeconds", "spec.redis.passwordSecretRef.key",
+                  "status.conditions.reason"):  # fmt: skip
+        assert f"`{field}`" in page.read_text()

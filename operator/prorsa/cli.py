@@ -561,6 +561,21 @@ def crd(
     err.print(f"wrote {path}")
 
 
+@app.command()
+def reference(
+    out: Annotated[Path | None, typer.Option(help="file to write (default: stdout)")] = None,
+) -> None:
+    """Print the RolloutCluster configuration reference (docs/configuration.md)."""
+    from prorsa.api.reference import reference as render
+
+    text = render()
+    if out is None:
+        sys.stdout.write(text)
+        return
+    out.write_text(text)
+    err.print(f"wrote {out}")
+
+
 @app.command("operator")
 def run_operator(
     namespace: Annotated[

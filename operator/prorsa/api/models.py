@@ -58,10 +58,15 @@ class Workers(_Model):
     engineArgs: list[str] = Field(default_factory=list,
                                   description="Extra vLLM engine arguments.")  # fmt: skip
     port: int = Field(default=8000, ge=1, le=65535, description="vLLM HTTP port.")
-    resources: Resources = Field(default_factory=Resources)
-    nodeSelector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[FreeForm] = Field(default_factory=list)
-    affinity: FreeForm | None = None
+    resources: Resources = Field(
+        default_factory=Resources,
+        description=("Worker container resources; nvidia.com/gpu defaults to gpusPerWorker."),
+    )
+    nodeSelector: dict[str, str] = Field(default_factory=dict,
+                                         description="Node labels the workers need.")  # fmt: skip
+    tolerations: list[FreeForm] = Field(default_factory=list,
+                                        description="Worker pod tolerations.")  # fmt: skip
+    affinity: FreeForm | None = Field(default=None, description="Worker pod affinity.")
 
 
 class KVTransfer(_Model):
@@ -82,14 +87,48 @@ class Allocation(_Model):
     staticPrefill: int | None = Field(
         default=None, ge=0, description="static: prefill workers (default: a quarter)."
     )
-    minPrefill: int = Field(default=_ALLOC.min_prefill, ge=0)
-    minDecode: int = Field(default=_ALLOC.min_decode, ge=0)
-    horizonSeconds: float = Field(default=_ALLOC.horizon_s, gt=0, le=3600)
-    intervalSeconds: float = Field(default=_ALLOC.interval_s, gt=0, le=600)
-    cooldownSeconds: float = Field(default=_ALLOC.cooldown_s, ge=0, le=3600)
-    hysteresis: float = Field(default=_ALLOC.hysteresis, ge=0, le=1)
-    maxSwitchesPerDecision: int = Field(default=_ALLOC.max_switches_per_decision, ge=1)
-    drainTimeoutSeconds: float = Field(default=120.0, gt=0, le=3600)
+    minPrefill: int = Field(
+        default=_ALLOC.min_prefill,
+        ge=0,
+        description=(
+            "Prefill workers always kept (0: decode workers may prefill locally when no pool "
+            "is worth it)."
+        ),
+    )
+    minDecode: int = Field(default=_ALLOC.min_decode, ge=0,
+                           description="Decode workers always kept.")  # fmt: skip
+    horizonSeconds: float = Field(
+        default=_ALLOC.horizon_s,
+        gt=0,
+        le=3600,
+        description=(
+            "How far ahead the forecast looks; longer than a switch takes (drain + restart)."
+        ),
+    )
+    intervalSeconds: float = Field(default=_ALLOC.interval_s, gt=0, le=600,
+                                   description="Seconds between two decisions.")  # fmt: skip
+    cooldownSeconds: float = Field(
+        default=_ALLOC.cooldown_s,
+        ge=0,
+        le=3600,
+        description=("Seconds after a switch before a worker may switch again (anti-flapping)."),
+    )
+    hysteresis: float = Field(
+        default=_ALLOC.hysteresis,
+        ge=0,
+        le=1,
+        description=(
+            "predictive: the predicted gain a new split needs over the current one (0.1: 10%)."
+        ),
+    )
+    maxSwitchesPerDecision: int = Field(default=_ALLOC.max_switches_per_decision, ge=1,
+                                        description="Cap on workers switched at once.")  # fmt: skip
+    drainTimeoutSeconds: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description=("A drain not finished by then is rolled back (the worker keeps its role)."),
+    )
 
     def settings(self) -> AllocationSettings:
         """The policy's own settings object (what the controller runs)."""
@@ -110,8 +149,8 @@ class Allocation(_Model):
 
 
 class SecretKeyRef(_Model):
-    name: str = Field(min_length=1)
-    key: str = Field(default="password", min_length=1)
+    name: str = Field(min_length=1, description="Secret in the RolloutCluster's namespace.")
+    key: str = Field(default="password", min_length=1, description="Key holding the password.")
 
 
 class Redis(_Model):
@@ -131,26 +170,33 @@ class Redis(_Model):
 
 
 class Router(_Model):
-    replicas: int = Field(default=1, ge=1, le=64)
-    serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: int = Field(default=8080, ge=1, le=65535)
+    replicas: int = Field(default=1, ge=1, le=64, description="Router pods behind the Service.")
+    serviceType: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Type of the endpoint Service."
+    )
+    port: int = Field(default=8080, ge=1, le=65535, description="Endpoint port.")
 
 
 class Trainer(_Model):
     template: FreeForm = Field(
-        description="A PodTemplateSpec; the operator adds PRORSA_ENDPOINT, PRORSA_REDIS_URL "
-        "and OPENAI_BASE_URL to its containers."
+        description="A PodTemplateSpec; the operator creates `<name>-trainer` from it and adds "
+        "OPENAI_BASE_URL and PRORSA_ENDPOINT (the endpoint), PRORSA_TRAJECTORY_HEADER, "
+        "PRORSA_REDIS_URL and REDIS_PASSWORD to its containers (their own values win)."
     )
 
 
 class RolloutClusterSpec(_Model):
-    model: ModelSource
-    workers: Workers = Field(default_factory=Workers)
-    kvTransfer: KVTransfer = Field(default_factory=KVTransfer)
-    allocation: Allocation = Field(default_factory=Allocation)
-    redis: Redis = Field(default_factory=lambda: Redis(managed=True))
-    router: Router = Field(default_factory=Router)
-    trainer: Trainer | None = None
+    model: ModelSource = Field(description="What the workers serve.")
+    workers: Workers = Field(default_factory=Workers, description="The GPU worker pods.")
+    kvTransfer: KVTransfer = Field(default_factory=KVTransfer,
+                                   description="How KV moves from prefill to decode.")  # fmt: skip
+    allocation: Allocation = Field(default_factory=Allocation,
+                                   description="How workers are split between roles.")  # fmt: skip
+    redis: Redis = Field(default_factory=lambda: Redis(managed=True),
+                         description="Where lifecycle events go (default: managed).")  # fmt: skip
+    router: Router = Field(default_factory=Router, description="The endpoint.")
+    trainer: Trainer | None = Field(default=None, description="Optional trainer pod, wired to "
+                                    "the endpoint and Redis.")  # fmt: skip
 
     @model_validator(mode="after")
     def _fits(self) -> RolloutClusterSpec:
@@ -185,9 +231,10 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded"] = Field(description="Standard conditions.")
     status: Literal["True", "False", "Unknown"]
-    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+                        description="e.g. WorkersReady, InvalidSpec, SecretNotFound.")  # fmt: skip
     message: str = ""
     lastTransitionTime: str = ""
     observedGeneration: int = 0
@@ -195,31 +242,35 @@ class Condition(_Model):
 
 class Decision(_Model):
     target: str = Field(description="e.g. 2P:6D")
-    reason: str = ""
+    reason: str = Field(default="", description="Why: the forecast and the predicted gain.")
     time: str = ""
 
 
 class Forecast(_Model):
-    prefillTokensPerSecond: float = 0.0
-    decodeSequences: float = 0.0
+    prefillTokensPerSecond: float = Field(default=0.0, description="Next step's prefill work.")
+    decodeSequences: float = Field(default=0.0, description="Next step's decoding sequences.")
     time: str = ""
 
 
 class RolloutClusterStatus(_Model):
-    phase: Literal["Pending", "Running", "Degraded", "Failed"] = "Pending"
-    observedGeneration: int = 0
-    replicas: int = 0
-    selector: str = ""
-    ready: int = 0
-    prefill: int = 0
-    decode: int = 0
-    mixed: int = 0
-    switching: int = 0
-    endpoint: str = ""
-    lastForecast: Forecast | None = None
-    lastDecision: Decision | None = None
-    switchesTotal: int = 0
-    conditions: list[Condition] = Field(default_factory=list)
+    phase: Literal["Pending", "Running", "Degraded", "Failed"] = Field(
+        default="Pending", description="Failed: invalid spec; Degraded: cannot be honoured."
+    )
+    observedGeneration: int = Field(default=0, description="The spec generation reconciled.")
+    replicas: int = Field(default=0, description="Worker pods (the scale subresource).")
+    selector: str = Field(default="", description="Worker pod selector (the scale subresource).")
+    ready: int = Field(default=0, description="Workers ready.")
+    prefill: int = Field(default=0, description="Workers labelled prefill.")
+    decode: int = Field(default=0, description="Workers labelled decode.")
+    mixed: int = Field(default=0, description="Workers labelled mixed (colocated).")
+    switching: int = Field(default=0, description="Workers draining for a switch.")
+    endpoint: str = Field(default="", description="The OpenAI-compatible base URL.")
+    lastForecast: Forecast | None = Field(default=None, description="What the policy saw.")
+    lastDecision: Decision | None = Field(default=None, description="What it decided and why.")
+    switchesTotal: int = Field(default=0, description="Completed switches since the operator "
+                               "started serving this cluster.")  # fmt: skip
+    conditions: list[Condition] = Field(default_factory=list,
+                                        description="Ready, Progressing, Degraded.")  # fmt: skip
 
 
 def parse_spec(raw: dict[str, Any]) -> RolloutClusterSpec:
