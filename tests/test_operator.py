@@ -271,6 +271,17 @@ def test_a_rollout_cluster_becomes_pods_services_and_status(redis_url: str) -> N
                 kept = sorted(p["metadata"]["name"] for p in await worker_pods(api, "rl"))
                 assert kept == ["rl-worker-0", "rl-worker-1"]  # the new, unready one went
 
+                await api.delete("v1", "Pod", NS, "rl-worker-1")  # a node lost, an eviction
+
+                async def replaced() -> bool:
+                    events = await api.list("v1", "Event", NS, "")
+                    return await has_workers(api, "rl", 2) and any(
+                        e.get("reason") == "Replaced" for e in events)  # fmt: skip
+
+                await until(replaced, 30, "the lost worker replaced")
+                fresh = await api.get("v1", "Pod", NS, "rl-worker-1")
+                assert fresh is not None and "status" not in fresh  # a new pod, not yet ready
+
                 assert await api.create(rcl("bad", {
                     "model": {"name": "m"}, "workers": {"replicas": 2},
                     "allocation": {"minPrefill": 2, "minDecode": 1},
@@ -305,6 +316,17 @@ def test_scale_down_picks_unready_then_newest_and_never_a_draining_worker() -> N
         "rl-worker-3", "rl-worker-2", "rl-worker-0"]  # fmt: skip
 
 
+async def ask_for_a_second_prefill_worker(api: KubeApi, cluster: str) -> None:
+    """Three workers of a static 1P cluster become ready and the daemon decides 1P:2D; then
+    `kubectl edit` sets staticPrefill to 2."""
+    await until(lambda: has_workers(api, cluster, 3), 20, "three workers")
+    await mark_ready(api, cluster)
+    await until(lambda: decided(api, cluster, "1P:2D"), 30,
+                "the decision over three ready workers")  # fmt: skip
+    await api.patch(f"{GROUP}/{VERSION}", KIND, NS, cluster,
+                    {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+
+
 def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
     redis_url: str,
 ) -> None:
@@ -320,12 +342,7 @@ def test_editing_the_allocation_relabels_a_worker_through_the_drain_protocol(
                                "cooldownSeconds": 0},
             }))  # fmt: skip
             async with running_operator():
-                await until(lambda: has_workers(api, "edit", 3), 20, "three workers")
-                await mark_ready(api, "edit")
-                await until(lambda: decided(api, "edit", "1P:2D"), 30,
-                            "the decision over three ready workers")  # fmt: skip
-                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edit",
-                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+                await ask_for_a_second_prefill_worker(api, "edit")
 
                 async def two_prefill() -> bool:
                     return await role_counts(api, "edit") == {"prefill": 2, "decode": 1}
@@ -491,13 +508,7 @@ def test_an_operator_restarted_mid_switch_finishes_it(redis_url: str) -> None:
                 return len(await draining()) == 1
 
             async with running_operator():
-                await until(lambda: has_workers(api, "mid", 3), 20, "three workers")
-                await mark_ready(api, "mid")
-
-                await until(lambda: decided(api, "mid", "1P:2D"), 30,
-                            "the decision over three ready workers")  # fmt: skip
-                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "mid",
-                                {"spec": {"allocation": {"staticPrefill": 2}}})  # fmt: skip
+                await ask_for_a_second_prefill_worker(api, "mid")
                 await until(one_draining, 30, "a busy decode worker marked draining")
             [half_done] = await draining()  # the operator is gone; the switch is not
             assert half_done["metadata"]["annotations"][L.TARGET_ROLE] == "prefill"

@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -106,8 +107,8 @@ def _refuse(patch: kopf.Patch, body: kopf.Body, generation: int, reason: str, me
     kopf.warn(body, reason=reason, message=message)
 
 
-async def post_event(body: kopf.Body, reason: str, message: str, type_: str = "Normal"
-                     ) -> None:  # fmt: skip
+async def post_event(body: Mapping[str, Any], reason: str, message: str,
+                     type_: str = "Normal") -> None:  # fmt: skip
     """A Kubernetes Event on the RolloutCluster (from the daemon, outside kopf's handler
     context, where `kopf.info` has no poster)."""
     meta = body.get("metadata") or {}
@@ -178,14 +179,12 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
             await k.create(obj)
 
     pods = await k.list("v1", "Pod", namespace, L.worker_selector(name))
-    live = sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")), key=_index)
+    live = _live(pods)
     n = spec.workers.replicas
-    roles = [Role(p["metadata"]["labels"].get(L.ROLE, "mixed")) for p in live[:n]]
-    new_roles = wanted_roles(spec, roles, n)
-    used = {_index(p) for p in live}
-    free = (i for i in range(10**6) if i not in used)
+    new_workers = _missing_workers(name, namespace, owner, spec, pods)
+    new_roles = [Role(p["metadata"]["labels"][L.ROLE]) for p in new_workers]
     objs = b.children(name, namespace, uid, spec, [], router_image())  # all but the workers
-    objs += [b.worker_pod(name, namespace, owner, spec, next(free), r) for r in new_roles]
+    objs += new_workers
     created = 0
     for obj in objs:
         created += await k.create(obj)
@@ -201,22 +200,50 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     )
 
 
+def _live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worker pods not being deleted, oldest index first."""
+    return sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")), key=_index)
+
+
+def _missing_workers(name: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
+                     pods: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    """Worker pods to create so the live ones reach `spec.workers.replicas`, in the roles the
+    policy wants; indexes of pods still terminating are not reused (their names are taken)."""
+    live, n = _live(pods), spec.workers.replicas
+    roles = [Role(p["metadata"]["labels"].get(L.ROLE, "mixed")) for p in live[:n]]
+    used = {_index(p) for p in pods}
+    free = (i for i in range(10**6) if i not in used)
+    return [b.worker_pod(name, namespace, owner, spec, next(free), r)
+            for r in wanted_roles(spec, roles, n)]  # fmt: skip
+
+
 @kopf.on.event("", "v1", "pods", labels={L.COMPONENT: L.WORKER})
-async def worker_pod_changed(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    """A worker became ready, was relabelled or went away: keep its cluster's status true."""
+async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str | None,
+                             **_: Any) -> None:  # fmt: skip
+    """A worker became ready, was relabelled or went away: keep its cluster's status true, and
+    replace a worker that is gone (a node lost, an eviction, a `kubectl delete pod`)."""
     cluster = (body.get("metadata", {}).get("labels") or {}).get(L.CLUSTER)
     if not cluster or namespace is None:
         return
     k = api()
     owner = await k.get(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster)
-    if owner is None:
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
     try:
         spec = parse_spec(dict(owner.get("spec") or {}))
     except ValidationError:
         return  # reconcile has said why
     pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if type == "DELETED":
+        ref = b.owner_reference(cluster, owner["metadata"].get("uid", ""))
+        replaced = [p for p in _missing_workers(cluster, namespace, ref, spec, pods)
+                    if await k.create(p)]  # fmt: skip
+        if replaced:
+            pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
+            names = ", ".join(p["metadata"]["name"] for p in replaced)
+            gone = body["metadata"]["name"]
+            await post_event(owner, "Replaced", f"worker {gone} is gone; created {names}")
+    live = _live(pods)
     generation = int(owner.get("metadata", {}).get("generation") or 0)
     status = _status(cluster, namespace, spec, generation, live)
     await k.patch_status(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster, status)
