@@ -31,7 +31,7 @@ class Rule:
 OPERATOR_RULES: tuple[Rule, ...] = (
     # kopf: watch RolloutClusters, keep its handler progress and diff base on them
     Rule("prorsa.io", ("rolloutclusters",), ("get", "list", "watch", "patch")),
-    Rule("prorsa.io", ("rolloutclusters/status",), ("get", "patch")),
+    Rule("prorsa.io", ("rolloutclusters/status",), ("patch",)),
     # the workers: created, relabelled and annotated by the switch protocol, removed on scale-down
     Rule("", ("pods",), ("get", "list", "watch", "create", "patch", "delete")),
     # the router, discovery Services, managed Redis and its generated password
@@ -45,8 +45,8 @@ OPERATOR_RULES: tuple[Rule, ...] = (
 )
 
 # kopf peering: replicas of the operator elect one to act (the other replicas wait)
-PEERING_RULE_NAMESPACED = Rule("kopf.dev", ("kopfpeerings",), ("get", "list", "watch", "patch"))
-PEERING_RULE_CLUSTER = Rule("kopf.dev", ("clusterkopfpeerings",), ("get", "list", "watch", "patch"))
+PEERING_RULE_NAMESPACED = Rule("kopf.dev", ("kopfpeerings",), ("list", "watch", "patch"))
+PEERING_RULE_CLUSTER = Rule("kopf.dev", ("clusterkopfpeerings",), ("list", "watch", "patch"))
 
 # What each cluster's router does: discover the worker pods (roles, readiness, drain marks).
 ROUTER_RULES: tuple[Rule, ...] = (Rule("", ("pods",), ("get", "list", "watch")),)
