@@ -156,3 +156,27 @@ def test_drain_reads_running_and_waiting_requests_from_vllm_metrics() -> None:
             return out
 
     assert asyncio.run(main()) == [False, False, True]
+
+
+def test_local_ports_stay_out_of_the_kernels_ephemeral_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarting engine's internals bind(0) from the ephemeral range; ports we hand out
+    (worker HTTP, NIXL side channel) must never be among those, or a restart can lose its own
+    side-channel port to its new process."""
+    import socket
+
+    from prorsa.local import processes
+    from prorsa.local.processes import free_port
+
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(50)}
+    assert len(ports) > 40  # spread, not one port over and over
+    for port in ports:
+        assert not lo <= port <= hi, port
+    taken = free_port()
+    with socket.socket() as held:  # a port in use is never returned
+        held.bind(("127.0.0.1", taken))
+        held.listen()
+        monkeypatch.setattr(processes, "_OUR_PORTS", (taken, taken + 2))
+        assert {free_port() for _ in range(20)} == {taken + 1}

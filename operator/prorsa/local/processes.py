@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,9 +17,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# Below Linux's ephemeral range (32768-60999 by default), from which the kernel picks ports for
+# bind(0): vLLM opens internal sockets that way, so a port of ours taken from that range could be
+# handed to a restarting engine's internals in the moment between its old process releasing it
+# and its new one binding it (seen: a NIXL side-channel port taken by a new engine's worker).
+_OUR_PORTS = (20000, 32000)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, outside the kernel's ephemeral range."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_OUR_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is crowded: let the kernel choose
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
