@@ -401,6 +401,11 @@ def test_managed_redis_gets_a_generated_password_secret_and_a_missing_secret_is_
 
                 await until(reported, 20, "the SecretNotFound condition")
                 assert await api.list("v1", "Pod", NS, L.worker_selector("byo")) == []
+                await api.create({"apiVersion": "v1", "kind": "Secret",
+                                  "metadata": {"name": "nope", "namespace": NS},
+                                  "stringData": {"password": "s3cret"}})  # fmt: skip
+                # the handler looks again by itself: no edit of the RolloutCluster needed
+                await until(lambda: has_workers(api, "byo", 2), 60, "workers once it exists")
 
     asyncio.run(main())
 

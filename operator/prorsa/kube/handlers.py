@@ -47,6 +47,7 @@ from prorsa.policy.forecast import Forecast
 
 log = logging.getLogger(__name__)
 _api: KubeApi | None = None
+SECRET_RETRY_S = 20.0  # how often a missing password Secret is looked for again
 METRICS = ClusterMetrics()  # every daemon's controller metrics, served by `prorsa operator`
 _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role counts use it
 
@@ -169,9 +170,10 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     k = api()
     ref = spec.redis.passwordSecretRef
     if ref is not None and await k.get("v1", "Secret", namespace, ref.name) is None:
-        _refuse(patch, body, generation, "SecretNotFound",
-                f"redis.passwordSecretRef: no Secret {ref.name!r} in {namespace}")  # fmt: skip
-        return
+        message = f"redis.passwordSecretRef: no Secret {ref.name!r} in {namespace}"
+        _refuse(patch, body, generation, "SecretNotFound", message)
+        # the user may create it any moment: look again (kopf retries the handler)
+        raise kopf.TemporaryError(message, delay=SECRET_RETRY_S)
     owner = b.owner_reference(name, uid)
     if spec.redis.managed:
         await k.create(b.redis_secret(name, namespace, owner, secrets.token_urlsafe(24)))
