@@ -164,3 +164,18 @@ def test_the_configuration_reference_matches_the_models() -> None:
     for field in ("spec.allocation.horizonSeconds", "spec.redis.passwordSecretRef.key",
                   "status.conditions.reason"):  # fmt: skip
         assert f"`{field}`" in page.read_text()
+
+
+def test_every_capacity_model_is_a_simulator_preset_and_they_differ() -> None:
+    import typing
+
+    from prorsa.api.models import Allocation
+    from prorsa.kube.handlers import worker_capacity
+    from prorsa.sim.costmodel import PRESETS
+
+    choices = typing.get_args(Allocation.model_fields["capacityModel"].annotation)
+    assert set(choices) == set(PRESETS)
+    h200 = worker_capacity(parse_spec({"model": {"name": "m"}}))
+    h100_spec = {"model": {"name": "m"}, "allocation": {"capacityModel": "h100-dense-8b"}}
+    h100 = worker_capacity(parse_spec(h100_spec))
+    assert h100.decode_s_per_kv_token > h200.decode_s_per_kv_token  # less HBM bandwidth

@@ -129,6 +129,11 @@ class Allocation(_Model):
         le=3600,
         description=("A drain not finished by then is rolled back (the worker keeps its role)."),
     )
+    capacityModel: Literal["h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b"] = (
+        Field(default="h200-dense-8b", description=(
+            "The allocator's model of one worker: GPU and model class of the simulator's "
+            "datasheet cost model (prorsa simulate --preset). Pick the closest."))
+    )  # fmt: skip
 
     def settings(self) -> AllocationSettings:
         """The policy's own settings object (what the controller runs)."""

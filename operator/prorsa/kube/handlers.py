@@ -52,12 +52,14 @@ METRICS = ClusterMetrics()  # every daemon's controller metrics, served by `pror
 _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role counts use it
 
 
-def default_capacity() -> RoleCapacity:
-    """The allocator's model of one GPU worker: the simulator's H200 + dense 8B datasheet
-    preset (per-cluster calibration from the workers' timings is not wired in yet)."""
+def worker_capacity(spec: RolloutClusterSpec) -> RoleCapacity:
+    """The allocator's model of one GPU worker: the simulator's datasheet cost model for the
+    spec's `allocation.capacityModel` and switch mode (not calibrated from the workers'
+    own timings)."""
     from prorsa.sim.costmodel import preset
 
-    return preset("h200").role_capacity()
+    model = preset(spec.allocation.capacityModel, switch_mode=spec.kvTransfer.switchMode)
+    return model.role_capacity()
 
 
 def router_image() -> str:
@@ -368,7 +370,7 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
         EventReader(redis, keys.events, consumer=socket.gethostname()),
         ControllerConfig(
             spec.allocation.settings(),
-            default_capacity(),
+            worker_capacity(spec),
             drain_timeout_s=spec.allocation.drainTimeoutSeconds,
             switch_mode=spec.kvTransfer.switchMode,
             finish_switches_on_stop=False,  # a restarted operator finishes them (recover)
