@@ -60,7 +60,7 @@ class Workers(_Model):
     port: int = Field(default=8000, ge=1, le=65535, description="vLLM HTTP port.")
     resources: Resources = Field(
         default_factory=Resources,
-        description=("Worker container resources; nvidia.com/gpu defaults to gpusPerWorker."),
+        description="Worker container resources; nvidia.com/gpu defaults to gpusPerWorker.",
     )
     nodeSelector: dict[str, str] = Field(default_factory=dict,
                                          description="Node labels the workers need.")  # fmt: skip
@@ -111,7 +111,7 @@ class Allocation(_Model):
         default=_ALLOC.cooldown_s,
         ge=0,
         le=3600,
-        description=("Seconds after a switch before a worker may switch again (anti-flapping)."),
+        description="Seconds after a switch before a worker may switch again (anti-flapping).",
     )
     hysteresis: float = Field(
         default=_ALLOC.hysteresis,
@@ -127,7 +127,7 @@ class Allocation(_Model):
         default=120.0,
         gt=0,
         le=3600,
-        description=("A drain not finished by then is rolled back (the worker keeps its role)."),
+        description="A drain not finished by then is rolled back (the worker keeps its role).",
     )
     capacityModel: Literal["h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b"] = (
         Field(default="h200-dense-8b", description=(
