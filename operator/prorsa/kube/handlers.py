@@ -186,7 +186,7 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     live = _live(pods)
     n = spec.workers.replicas
     new_workers = _missing_workers(name, namespace, owner, spec, pods)
-    new_roles = [Role(p["metadata"]["labels"][L.ROLE]) for p in new_workers]
+    new_roles = [p["metadata"]["labels"][L.ROLE] for p in new_workers]
     objs = b.children(name, namespace, uid, spec, [], router_image())  # all but the workers
     objs += new_workers
     created = 0
@@ -198,10 +198,8 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     if new_roles:
         kopf.info(body, reason="ScaledUp",
                   message=f"added {len(new_roles)} worker(s): " +
-                  ", ".join(r.value for r in new_roles))  # fmt: skip
-    patch.status.update(
-        _status(name, namespace, spec, generation, live[:n], [r.value for r in new_roles], created)
-    )
+                  ", ".join(new_roles))  # fmt: skip
+    patch.status.update(_status(name, namespace, spec, generation, live[:n], new_roles, created))
 
 
 def _live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -243,7 +241,7 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str |
         replaced = [p for p in _missing_workers(cluster, namespace, ref, spec, pods)
                     if await k.create(p)]  # fmt: skip
         if replaced:
-            pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
+            pods = [*pods, *replaced]
             names = ", ".join(p["metadata"]["name"] for p in replaced)
             gone = body["metadata"]["name"]
             await post_event(owner, "Replaced", f"worker {gone} is gone; created {names}")
