@@ -15,6 +15,10 @@ from typing import Any
 import aiohttp
 
 USER_AGENT = "prorsa-operator"
+# One API call never waits longer: a stuck connection becomes an error the callers retry
+# (the control loop holds the allocation meanwhile) instead of a handler hung for aiohttp's
+# five-minute default.
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=20, sock_connect=5)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 PLURALS = {
@@ -85,7 +89,7 @@ class KubeApi:
             headers = {"User-Agent": self.user_agent}
             if self.token:
                 headers["Authorization"] = f"Bearer {self.token}"
-            self._session = aiohttp.ClientSession(headers=headers)
+            self._session = aiohttp.ClientSession(headers=headers, timeout=REQUEST_TIMEOUT)
         async with self._session.request(
             method, self.server + url, json=body, ssl=self.ssl,
             headers={"Content-Type": content_type} if body is not None else None,
