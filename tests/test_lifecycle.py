@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import pytest
+
 from conftest import turn
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State, turn_bin
 
@@ -152,6 +155,78 @@ def test_continuation_is_learned_per_turn_depth() -> None:
         tid = f"t{i}"
         tab.ingest([start(tid, 0.0), *turn(tid, 1.0, 100, 100, 10), *turn(tid, 4.0, 300, 190, 10)])
         tab.apply(Event(EventType.TRAJ_END, tid, 9.0))
-    assert tab.stats.p_continue_after(1) > 0.9
-    assert tab.stats.p_continue_after(2) < 0.1
+    after_first, after_second = tab.stats.p_continue_after(np.array([1, 2]))
+    assert after_first > 0.9
+    assert after_second < 0.1
     assert turn_bin(1) != turn_bin(2)
+
+
+def test_a_batch_teaches_what_the_same_events_one_by_one_teach() -> None:
+    """`ingest` learns a batch's statistics after its state machine pass; the result must
+    not depend on how the stream was cut into batches (group length factors included)."""
+    rng = random.Random(7)
+    events: list[Event] = []
+    for i in range(300):
+        tid, t0 = f"t{i}", rng.uniform(0, 50)
+        events.append(start(tid, t0, group=f"g{i % 40}"))
+        ctx = 0
+        for k in range(rng.randint(1, 5)):
+            new = rng.randint(50, 3000)
+            ctx += new
+            events += turn(tid, t0 + 10 * k, ctx, new, rng.randint(5, 800), rng.uniform(0.1, 9))
+            ctx += 800
+            if rng.random() < 0.5:
+                events.append(Event(EventType.TOOL_START, tid, t0 + 10 * k + 9.5))
+                events.append(Event(EventType.TOOL_END, tid, t0 + 10 * k + 9.9))
+        if rng.random() < 0.7:
+            events.append(Event(EventType.TRAJ_END, tid, t0 + 60))
+    events.sort(key=lambda e: e.ts + rng.uniform(0.0, 2.0))  # mostly in order
+    events += rng.sample(events, 100)  # redelivered
+    whole, single = LifecycleTable(), LifecycleTable()
+    whole.ingest(events)
+    for ev in events:
+        single.apply(ev)
+    a, b = whole.stats, single.stats
+    assert whole.count_by_state == single.count_by_state
+    assert whole.duplicates_total == single.duplicates_total > 0
+    assert whole.prefill_backlog_tokens == single.prefill_backlog_tokens
+    assert whole.decode_context_tokens == single.decode_context_tokens
+    assert a.output_len.n == b.output_len.n
+    assert a.output_len.mean == pytest.approx(b.output_len.mean)
+    assert a.output_len.var == pytest.approx(b.output_len.var)
+    assert a.decode_duration.counts == pytest.approx(b.decode_duration.counts)
+    assert a.tool_latency.counts == pytest.approx(b.tool_latency.counts)
+    assert a.remote_share.value == pytest.approx(b.remote_share.value)
+    assert a.recompute_share.value == pytest.approx(b.recompute_share.value)
+    assert a.tool_out_sum_by_turn == pytest.approx(b.tool_out_sum_by_turn)
+    assert (a.continue_by_turn, a.stop_by_turn) == (b.continue_by_turn, b.stop_by_turn)
+    for g in ("g0", "g7", "g39", "unseen"):
+        assert whole.group_log_mean(g) == pytest.approx(single.group_log_mean(g))
+
+
+def test_trajectories_of_a_forgotten_group_fall_back_to_the_prior() -> None:
+    tab = LifecycleTable(max_trajectories=100)
+    for i in range(20):  # background: short outputs
+        tab.apply(start(f"bg{i}", 0.0, group="bg"))
+        tab.apply(Event(EventType.DECODE_DONE, f"bg{i}", 0.5, output_tokens=50, seconds=1.0))
+        tab.apply(Event(EventType.TRAJ_END, f"bg{i}", 0.6))
+    tab.apply(start("old", 1.0, group="g-old"))
+    tab.apply(Event(EventType.DECODE_DONE, "old", 1.0, output_tokens=5000, seconds=1.0))
+    assert tab.group_factor("g-old") > 1.5
+    for i in range(150):  # newer groups, of trajectories that end, push the first ones out
+        tab.apply(start(f"t{i}", 2.0, group=f"g{i}"))
+        tab.apply(Event(EventType.TRAJ_END, f"t{i}", 2.0))
+    assert "g-old" not in tab.groups and len(tab.groups) <= 100
+    assert tab.trajs["old"].group is None  # still live, no longer tied to a reused row
+    assert tab.group_factor("g-old") == 1.0
+
+
+def test_a_batch_sent_again_later_in_the_turn_is_still_a_repeat() -> None:
+    tab = LifecycleTable()
+    first = [start("a", 0.0), *turn("a", 1.0, 100, 100, 40)]
+    tab.ingest(first)
+    tab.ingest([Event(EventType.TOOL_START, "a", 3.0)])
+    tab.ingest(first)  # the router's acknowledgement was lost: the whole batch comes again
+    assert tab.duplicates_total == len(first)
+    assert tab.trajs["a"].turn == 1 and tab.trajs["a"].state == State.TOOL
+    assert tab.submitted_tokens_total == 100

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import pytest
+
 from prorsa.policy.stats import Ewma, LogHistogram, LogMoments
 from prorsa.sim.workload import Dist
 
@@ -51,3 +54,37 @@ def test_log_moments_and_ewma() -> None:
     e.add(2.0)
     e.add(4.0)
     assert e.get(0.0) == 3.0
+
+
+def test_batched_updates_equal_one_sample_at_a_time() -> None:
+    """The lifecycle table learns a batch of events at once: the closed forms must agree
+    with the plain recurrences, including the first sample and per-sample weights."""
+    rng = np.random.default_rng(0)
+    xs = rng.lognormal(5.0, 1.0, 3000)
+    weights = rng.uniform(0.0, 1.0, 3000)
+    for start in (None, 40.0):
+        batched, single = Ewma(0.05, start), Ewma(0.05, start)
+        batched.add_all(xs)
+        for x in xs:
+            single.add(float(x))
+        assert batched.value == pytest.approx(single.value, rel=1e-9)
+        weighted, stepwise = Ewma(0.05, start), Ewma(0.05, start)
+        weighted.add_all(xs, weights)
+        for x, w in zip(xs.tolist(), weights.tolist(), strict=True):
+            v = stepwise.value
+            stepwise.value = x if v is None else v + 0.05 * w * (x - v)
+        assert weighted.value == pytest.approx(stepwise.value, rel=1e-9)
+    times = np.sort(rng.uniform(0.0, 30_000.0, 3000))  # long enough to rebase the weights
+    batched_h, single_h = LogHistogram(), LogHistogram()
+    batched_h.add_all(xs[:1500], times[:1500])
+    batched_h.add_all(xs[1500:], times[1500:])
+    for x, t in zip(xs.tolist(), times.tolist(), strict=True):
+        single_h.add(x, t)
+    assert batched_h.n == single_h.n == 3000
+    table_b, table_s = batched_h.survival_table(), single_h.survival_table()
+    assert table_b == pytest.approx(table_s, abs=1e-9)
+    probes = np.array([-1.0, 0.0, 0.005, 0.01, 0.5, 3.0, 150.0, 1e4, 1e9])
+    assert batched_h.index_array(probes).tolist() == [batched_h.index(p) for p in probes]
+    assert batched_h.survival_array(probes, table_b).tolist() == pytest.approx(
+        [batched_h.survival(p, table_b) for p in probes], abs=1e-12
+    )

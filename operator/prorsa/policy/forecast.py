@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import numpy as np
+
 from prorsa.policy.lifecycle import LifecycleTable, State
 from prorsa.policy.stats import LogHistogram
 
@@ -116,6 +118,7 @@ class EwmaForecaster(LastValueForecaster):
 
 
 _TURN_TABLE = 256  # continuation probabilities looked up per turn index up to this depth
+_DEPTHS = np.arange(_TURN_TABLE)
 
 
 class LifecycleForecaster:
@@ -157,175 +160,158 @@ class LifecycleForecaster:
 
     def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast:
         st = table.stats
-        hist = st.tool_latency
+        hist, dhist = st.tool_latency, st.decode_duration
         dt, n = horizon.step_s, horizon.steps
         sub = self.substeps
         f = dt / sub
         m_bins = n * sub
         tpot = st.tpot(0.02)
-        p_cont = st.p_continue
         mean_tool_out = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
         first_prompt = st.first_prompt_tokens.get(512.0)
         prefill_lag = st.prefill_latency_s.get(0.0)
         mu_all = st.output_len.mean if st.output_len.n > 0 else math.log(256.0)
-        surv: list[float] | None = None  # set after the pass below (needs censored counts)
-
-        def tool_returns(elapsed: float) -> list[float]:
-            """P(return in fine bin m | the call has lasted `elapsed`)."""
-            return _returns(hist, surv, elapsed, f, m_bins, dt)
-
-        # ---- current state, one pass over the trajectories ----------------------------------
-        nb = hist.bins
-        bin_tokens = [0.0] * nb
-        bin_count = [0.0] * nb
-        in_tool = [0.0] * nb  # calls still running, by elapsed bin (censored durations)
-        submit_tokens = [0.0] * m_bins  # prefill tokens submitted in fine bin m
-        submit_count = [0.0] * m_bins
-        leave = [0.0] * (m_bins + 1)  # today's decodes leaving in bin m (m_bins: later)
-        prefilling = 0.0
-        decoding = 0.0
-        kv_now = 0.0
-        hindex = hist.index
-        p_by_turn = [st.p_continue_after(k) for k in range(_TURN_TABLE)]
-        out_by_turn = [st.tool_output_after(k) for k in range(_TURN_TABLE)]
-        chain_out = 0.0
         recompute = st.recompute_share.get(0.0)
-        ctx_sum = ctx_n = 0.0
-        group_gf: dict[str | None, float] = {}
-        dhist = st.decode_duration
-        dindex = dhist.index
-        dec_cells = [0.0] * (3 * dhist.bins)  # decoding now, by (group length class, elapsed bin)
-        in_decode = [0.0] * dhist.bins
-        pop_cont = pop_n = 0.0
-        exp = math.exp
-        for t in table.trajs.values():
-            s = t.state
-            if s == State.DECODE:
-                pop_cont += p_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
-                pop_n += 1.0
-                elapsed = now - t.state_since
-                gf = group_gf.get(t.group)
-                if gf is None:
-                    gf = group_gf[t.group] = table.group_factor(t.group)
-                gb = 0 if gf < 0.7 else (1 if gf < 1.4 else 2)
-                b = dindex(elapsed / _GF_REP[gb]) if elapsed > 0 else 0
-                dec_cells[gb * nb + b] += 1.0
-                in_decode[b] += 1.0
-                decoding += 1.0
-                chain_out += out_by_turn[t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1]
-                kv_now += t.context_tokens + elapsed / tpot
-                ctx_sum += t.context_tokens
-                ctx_n += 1.0
-            elif s == State.PREFILL:
-                prefilling += 1.0
-            elif t.turn == 0:  # started, first turn not submitted yet
-                submit_tokens[0] += first_prompt
-                submit_count[0] += 1.0
-            else:  # between turns: in a tool call or an inferred gap
-                elapsed = now - t.state_since
-                own = t.mean_tool_output
-                depth = t.turn if t.turn < _TURN_TABLE else _TURN_TABLE - 1
-                p_next = p_by_turn[depth]
-                out = out_by_turn[depth] if own is None else 0.5 * (own + out_by_turn[depth])
-                ctx = t.context_tokens
-                ctx_sum += ctx
-                ctx_n += 1.0
-                chain_out += out_by_turn[depth]
-                tokens = (out + recompute * ctx) * p_next
-                pop_cont += p_next
-                pop_n += 1.0
-                hint = t.tool_hint
-                if hint is not None and elapsed < hint:
-                    k = int((hint - elapsed) / f)
-                    if k < m_bins:
-                        submit_tokens[k] += tokens
-                        submit_count[k] += p_next
-                    continue
-                b = hindex(elapsed) if elapsed > 0 else 0
-                bin_tokens[b] += tokens
-                bin_count[b] += p_next
-                in_tool[b] += 1.0
+        p_by_turn = st.p_continue_after(_DEPTHS)
+        out_by_turn = st.tool_output_after(_DEPTHS)
+
+        # ---- current state, one pass over the trajectories' columns ------------------------
+        rows = table.live_rows()
+        depth = np.minimum(rows.turn, _TURN_TABLE - 1)
+        elapsed = now - rows.state_since
+        idle = (rows.state == State.WAITING) | (rows.state == State.TOOL)
+        decoding_now = rows.state == State.DECODE
+        between = idle & (rows.turn > 0)  # in a tool call or an inferred gap
+        submit_tokens = np.zeros(m_bins)  # prefill tokens submitted in fine bin m
+        submit_count = np.zeros(m_bins)
+        first_turns = float(np.count_nonzero(idle & (rows.turn == 0)))  # first turn not sent
+        submit_tokens[0] += first_turns * first_prompt
+        submit_count[0] += first_turns
+        prefilling = float(np.count_nonzero(rows.state == State.PREFILL))
+
+        # Decoding: bucket by (group length class, elapsed time in units of that class).
+        d_depth, d_elapsed = depth[decoding_now], elapsed[decoding_now]
+        d_ctx = rows.context[decoding_now].astype(np.float64)
+        decoding = float(d_depth.size)
+        log_means = table.group_log_means()
+        g = rows.group[decoding_now]
+        group_mean = np.where(
+            g >= 0, log_means[np.maximum(g, 0)] if log_means.size else mu_all, mu_all
+        )
+        gf = np.exp(group_mean - mu_all) if st.output_len.n > 0 else np.ones(g.size)
+        gb = np.where(gf < 0.7, 0, np.where(gf < 1.4, 1, 2))
+        d_bin = dhist.index_array(np.maximum(d_elapsed, 0.0) / _GF_REP[gb])
+        nd = dhist.bins
+        dec_cells = np.bincount(gb * nd + d_bin, minlength=3 * nd).astype(np.float64)
+        in_decode = np.bincount(d_bin, minlength=nd).astype(np.float64)
+        kv_now = float(np.sum(d_ctx + d_elapsed / tpot))
+
+        # Between turns: their next prefill, with the tool-latency distribution or a hint.
+        w_depth, w_elapsed = depth[between], elapsed[between]
+        own = rows.tool_out_est[between]
+        w_ctx = rows.context[between].astype(np.float64)
+        p_next = p_by_turn[w_depth]
+        out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
+        tokens = (out + recompute * w_ctx) * p_next
+        hint = rows.tool_hint[between]
+        hinted = ~np.isnan(hint) & (w_elapsed < np.nan_to_num(hint, nan=0.0))
+        k = ((hint[hinted] - w_elapsed[hinted]) / f).astype(np.int64)
+        soon = k < m_bins
+        submit_tokens += np.bincount(k[soon], tokens[hinted][soon], minlength=m_bins)
+        submit_count += np.bincount(k[soon], p_next[hinted][soon], minlength=m_bins)
+        nb = hist.bins
+        rest = ~hinted
+        t_bin = hist.index_array(np.maximum(w_elapsed[rest], 0.0))
+        bin_tokens = np.bincount(t_bin, tokens[rest], minlength=nb)
+        bin_count = np.bincount(t_bin, p_next[rest], minlength=nb)
+        in_tool = np.bincount(t_bin, minlength=nb).astype(np.float64)
+
+        # Population averages for the chain below.
+        pop_n = decoding + float(w_depth.size)
+        pop_cont = float(p_by_turn[d_depth].sum() + p_next.sum())
+        chain_out = float(out_by_turn[d_depth].sum() + out_by_turn[w_depth].sum())
+        ctx_n = pop_n
+        ctx_sum = float(d_ctx.sum() + w_ctx.sum())
+
+        # Today's decodes leaving in fine bin m (index m_bins: after the horizon).
+        leave = np.zeros(m_bins + 1)
         if dhist.total > 0:
-            dsurv = dhist.survival_table(in_decode, now)
-            for cell, count in enumerate(dec_cells):
-                if count:
-                    gb, b = divmod(cell, dhist.bins)
-                    probs = _returns(dhist, dsurv, _bin_mid(dhist, b), f / _GF_REP[gb], m_bins, dt)
-                    for m in range(m_bins):
-                        leave[m] += count * probs[m]
-                    leave[m_bins] += count * max(0.0, 1.0 - sum(probs))
+            dsurv = dhist.survival_table(in_decode.tolist(), now)
+            cells = np.flatnonzero(dec_cells)
+            c_gb, c_bin = np.divmod(cells, nd)
+            probs = _returns(dhist, dsurv, dhist.mid(c_bin), f / _GF_REP[c_gb], m_bins, dt)
+            counts = dec_cells[cells]
+            leave[:m_bins] += counts @ probs
+            leave[m_bins] += float(np.sum(counts * np.maximum(0.0, 1.0 - probs.sum(axis=1))))
         elif decoding:  # nothing finished yet: assume they leave within the horizon, evenly
-            for m in range(m_bins):
-                leave[m] += decoding / m_bins
-        if hist.total > 0:
-            surv = hist.survival_table(in_tool, now)
-        for b in range(nb):
-            if bin_count[b]:
-                probs = tool_returns(_bin_mid(hist, b))
-                ct, tk = bin_count[b], bin_tokens[b]
-                for m in range(m_bins):
-                    submit_count[m] += ct * probs[m]
-                    submit_tokens[m] += tk * probs[m]
+            leave[:m_bins] += decoding / m_bins
+        surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
+        waiting_bins = np.flatnonzero(bin_count)
+        if waiting_bins.size:
+            probs = _returns(
+                hist, surv, hist.mid(waiting_bins), np.full(waiting_bins.size, f), m_bins, dt
+            )
+            submit_count += bin_count[waiting_bins] @ probs
+            submit_tokens += bin_tokens[waiting_bins] @ probs
         arrivals = self._arrivals(table, now) * f
         if arrivals:
-            for m in range(m_bins):
-                submit_count[m] += arrivals
-                submit_tokens[m] += arrivals * first_prompt
+            submit_count += arrivals
+            submit_tokens += arrivals * first_prompt
 
         # ---- the chain: submit -> (prefill lag) -> decode -> tool -> submit ... -------------
         # Continuation in the chain: the current population's average at its turn depth.
-        p_cont = pop_cont / pop_n if pop_n else p_cont
+        p_cont = pop_cont / pop_n if pop_n else st.p_continue
         # A returning trajectory's prefill: its tool output plus the evicted share of its context.
         chain_tokens = (chain_out / ctx_n if ctx_n else mean_tool_out) + recompute * (
             ctx_sum / ctx_n if ctx_n else 0.0
         )
         lag = int(prefill_lag / f)
         spread = max(1, 2 * lag + 1)
-        entries = [0.0] * m_bins
-        for m in range(min(spread, m_bins)):
-            entries[m] += prefilling / spread
+        entries = np.zeros(m_bins)
+        entries[: min(spread, m_bins)] += prefilling / spread
         # P(a new decode lasts k fine bins): the learned duration distribution (average group)
         d_exit = _returns(
             dhist,
             dhist.survival_table() if dhist.total > 0 else None,
-            0.0,
-            f,
+            np.zeros(1),
+            np.full(1, f),
             m_bins,
             dt,
-            fallback_mean=max(tpot * exp(mu_all), f),
-        )
-        k0 = tool_returns(0.0)
-        exits = leave[:m_bins]
-        seqs_fine = [0.0] * m_bins
+            fallback_mean=max(tpot * math.exp(mu_all), f),
+        )[0]
+        k0 = _returns(hist, surv, np.zeros(1), np.full(1, f), m_bins, dt)[0]
+        exits = leave[:m_bins].copy()
+        seqs_fine = np.zeros(m_bins)
         kv_per_seq = kv_now / decoding if decoding else first_prompt
         cur_seqs = decoding
+        next_bin = lag == 0  # same-bin returns count as demand now and enter decode next bin
         for m in range(m_bins):
             if m >= lag:
                 entries[m] += submit_count[m - lag]
-            e_m = entries[m]
+            e_m = float(entries[m])
             if e_m:
-                for k in range(m_bins - m):
-                    exits[m + k] += e_m * d_exit[k]
-            cur_seqs += e_m - exits[m]
+                exits[m:] += e_m * d_exit[: m_bins - m]
+            cur_seqs += e_m - float(exits[m])
             seqs_fine[m] = cur_seqs if cur_seqs > 0 else 0.0
-            back = exits[m] * p_cont
-            if back:  # same-bin returns count as demand now and enter decode next bin
-                for r in range(m_bins - m):
-                    w = back * k0[r]
-                    j = m + 1 if r == 0 and lag == 0 and m + 1 < m_bins else m + r
-                    submit_count[j] += w
-                    submit_tokens[m + r] += w * chain_tokens
+            back = float(exits[m]) * p_cont
+            if back:
+                w = back * k0[: m_bins - m]
+                submit_tokens[m:] += w * chain_tokens
+                if next_bin and m + 1 < m_bins:
+                    submit_count[m + 1] += w[0]
+                    submit_count[m + 1 :] += w[1:]
+                else:
+                    submit_count[m:] += w
 
-        prefill = [sum(submit_tokens[h * sub : (h + 1) * sub]) / dt for h in range(n)]
-        seqs = [seqs_fine[(h + 1) * sub - 1] for h in range(n)]
+        prefill = (submit_tokens.reshape(n, sub).sum(axis=1) / dt).tolist()
+        seqs = seqs_fine[sub - 1 :: sub].tolist()
         kv = [x * kv_per_seq for x in seqs]
         gain_p, gain_d = self._calibrate(table, now, horizon, prefill, seqs)
         # Successive forecasts overlap: blend with the previous one for the same future steps,
         # which damps the noise of counting individual trajectories.
         if self._prev_prefill is not None and len(self._prev_prefill) == n and self.smoothing > 0:
-            w = self.smoothing
+            w_prev = self.smoothing
             old = self._prev_prefill[1:] + self._prev_prefill[-1:]
-            prefill = [(1 - w) * x + w * y for x, y in zip(prefill, old, strict=True)]
+            prefill = [(1 - w_prev) * x + w_prev * y for x, y in zip(prefill, old, strict=True)]
         self._prev_prefill = prefill
         prefill = [x * g for x, g in zip(prefill, gain_p, strict=True)]
         seqs = [x * g for x, g in zip(seqs, gain_d, strict=True)]
@@ -379,35 +365,34 @@ class LifecycleForecaster:
         return self._arrival_rate
 
 
-_GF_REP = (0.5, 1.0, 2.0)  # representative length factor of short / average / long groups
-
-
-def _bin_mid(hist: LogHistogram, b: int) -> float:
-    return hist.lo * 0.5 if b == 0 else hist.edge(b - 1) * math.sqrt(hist.ratio)
+_GF_REP = np.array([0.5, 1.0, 2.0])  # representative length factor of short / average / long groups
 
 
 def _returns(
     hist: LogHistogram,
     surv: list[float] | None,
-    elapsed: float,
-    f: float,
+    elapsed: np.ndarray,
+    width: np.ndarray,
     m_bins: int,
     dt: float,
     fallback_mean: float = 0.0,
-) -> list[float]:
-    """P(the duration ends in fine bin m of width `f` | it has lasted `elapsed`)."""
-    out = [0.0] * m_bins
-    s0 = hist.survival(elapsed, surv) if surv is not None else 0.0
-    if surv is not None and s0 > 1e-4:
-        prev = 1.0
-        for m in range(m_bins):
-            cur = hist.survival(elapsed + (m + 1) * f, surv) / s0
-            out[m] = max(prev - cur, 0.0)
-            prev = cur
-    else:  # beyond anything seen (or nothing seen yet): memoryless
-        mean = max(elapsed, fallback_mean, dt)
-        for m in range(m_bins):
-            out[m] = math.exp(-m * f / mean) - math.exp(-(m + 1) * f / mean)
+) -> np.ndarray:
+    """Row r, column m: P(a duration ends in fine bin m of width `width[r]` | it has lasted
+    `elapsed[r]`)."""
+    steps = np.arange(m_bins + 1)
+    out = np.empty((elapsed.size, m_bins))
+    s0 = hist.survival_array(elapsed, surv) if surv is not None else np.zeros(elapsed.size)
+    seen = s0 > 1e-4
+    if seen.any():
+        assert surv is not None
+        t = elapsed[seen, None] + width[seen, None] * steps[None, 1:]
+        cur = hist.survival_array(t, surv) / s0[seen, None]
+        prev = np.concatenate([np.ones((cur.shape[0], 1)), cur[:, :-1]], axis=1)
+        out[seen] = np.maximum(prev - cur, 0.0)
+    if not seen.all():  # beyond anything seen (or nothing seen yet): memoryless
+        mean = np.maximum(np.maximum(elapsed[~seen], fallback_mean), dt)
+        tail = np.exp(-steps[None, :] * width[~seen, None] / mean[:, None])
+        out[~seen] = tail[:, :-1] - tail[:, 1:]
     return out
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class Ewma:
@@ -19,6 +21,23 @@ class Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def add_all(self, xs: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """`add` of every sample in order, in closed form. With `weights`, sample k moves the
+        mean by alpha * weights[k] of the way (a weight of 1 is a plain sample)."""
+        if xs.size == 0:
+            return
+        if self.value is None:
+            self.value = float(xs[0])
+            xs = xs[1:]
+            weights = None if weights is None else weights[1:]
+            if xs.size == 0:
+                return
+        step = self.alpha if weights is None else self.alpha * weights
+        keep = np.broadcast_to(1.0 - step, xs.shape)
+        # keep_after[k]: how much of sample k survives the samples after it
+        keep_after = np.append(np.cumprod(keep[:0:-1])[::-1], 1.0)
+        self.value = float(self.value * np.prod(keep) + np.sum(step * xs * keep_after))
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
@@ -82,6 +101,16 @@ class LogHistogram:
         i = int((math.log(x) - self._log_lo) / self._log_ratio) + 1
         return i if i < self.bins else self.bins - 1
 
+    def index_array(self, x: np.ndarray) -> np.ndarray:
+        """`index` of every element."""
+        safe = np.maximum(x, self.lo)
+        i = ((np.log(safe) - self._log_lo) / self._log_ratio).astype(np.int64) + 1
+        return np.where(x <= self.lo, 0, np.minimum(i, self.bins - 1))
+
+    def mid(self, i: np.ndarray) -> np.ndarray:
+        """A representative value of each bin (geometric middle; half of `lo` for bin 0)."""
+        return np.where(i == 0, self.lo * 0.5, self.lo * self.ratio ** (i - 0.5))
+
     def edge(self, i: int) -> float:
         """Upper edge of bin i (bin 0 holds everything below `lo`)."""
         return self.lo * self.ratio**i
@@ -90,15 +119,32 @@ class LogHistogram:
         # Newer samples get a growing weight instead of scaling every bin on each sample.
         exponent = self._rate * (now - self._t0)
         if exponent > 30.0:
-            scale = math.exp(-exponent)
-            self.counts = [c * scale for c in self.counts]
-            self.total *= scale
-            self._t0 = now
+            self._rebase(now)
             exponent = 0.0
         w = math.exp(exponent)
         self.counts[self.index(x)] += w
         self.total += w
         self.n += 1
+
+    def _rebase(self, now: float) -> None:
+        """Move the weights' time origin to `now` (keeps them small; same distribution)."""
+        scale = math.exp(-self._rate * (now - self._t0))
+        self.counts = [c * scale for c in self.counts]
+        self.total *= scale
+        self._t0 = now
+
+    def add_all(self, xs: np.ndarray, t: np.ndarray) -> None:
+        """`add` of many samples at once (same distribution, one numpy pass)."""
+        if not xs.size:
+            return
+        latest = float(t.max())
+        if self._rate * (latest - self._t0) > 30.0:
+            self._rebase(latest)
+        w = np.exp(self._rate * (t - self._t0))
+        bins = self.index_array(xs)
+        self.counts = (np.asarray(self.counts) + np.bincount(bins, w, self.bins)).tolist()
+        self.total += float(w.sum())
+        self.n += xs.size
 
     def effective(self, now: float) -> float:
         """Samples seen, discounted by age: the weight recent evidence carries."""
@@ -126,6 +172,23 @@ class LogHistogram:
             out.append(s)
             at_risk -= done[i] + cens[i]
         return out
+
+    def survival_array(self, t: np.ndarray, table: list[float]) -> np.ndarray:
+        """`survival` of every element."""
+        if self.total <= 0:
+            return np.zeros_like(t, dtype=np.float64)
+        s = np.asarray(table)
+        i = self.index_array(t)
+        upper = s[i]
+        lower = np.where(i > 0, s[np.maximum(i - 1, 0)], 1.0)
+        log_t = np.log(np.maximum(t, 1e-300))
+        frac = np.where(
+            i == 0,
+            t / self.lo,
+            (log_t - self._log_lo - (i - 1) * self._log_ratio) / self._log_ratio,
+        )
+        frac = np.clip(frac, 0.0, 1.0)
+        return np.where(t <= 0, 1.0, lower + (upper - lower) * frac)
 
     def survival(self, t: float, table: list[float]) -> float:
         if self.total <= 0:
