@@ -2,7 +2,7 @@
 
 Prints figures, asserts nothing. Every ratio is against a baseline measured in the same run.
 
-    .venv/bin/python benchmarks/brain.py            # everything (~10 min on 2 cores)
+    .venv/bin/python benchmarks/brain.py            # everything (~20 min on 2 cores)
     .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
 """
 
@@ -12,14 +12,23 @@ import argparse
 import random
 import statistics
 import time
+from dataclasses import dataclass, replace
 
-from prorsa.policy.allocate import AllocationSettings, ClusterView, Role, WorkerView, make_policy
-from prorsa.policy.forecast import Horizon, LifecycleForecaster
+from prorsa.policy.allocate import (
+    Allocation,
+    AllocationSettings,
+    ClusterView,
+    Role,
+    StaticPolicy,
+    WorkerView,
+    make_policy,
+)
+from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.costmodel import preset
-from prorsa.sim.engine import SimConfig, SimResult
-from prorsa.sim.workload import BUILTIN, load_workload
+from prorsa.sim.engine import SimConfig, SimResult, Simulator
+from prorsa.sim.workload import BUILTIN, generate, load_workload
 
 
 def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -> None:
@@ -81,7 +90,8 @@ class _RouterStream:
         self.ts = 0.0
 
     def take(self, n_events: int, t0: float) -> list[Event]:
-        rng, out = self.rng, []
+        rng = self.rng
+        out: list[Event] = []
         self.ts = max(self.ts, t0)
         while len(out) < n_events:
             i = rng.randrange(self.n)
@@ -175,9 +185,66 @@ def big_sim(workload: str = "swe") -> None:
     )
 
 
+@dataclass
+class _TwoPhaseSplit(StaticPolicy):
+    """P1 prefill workers until `switch_at`, then P2: a schedule chosen in hindsight."""
+
+    p1: int = 1
+    p2: int = 1
+    switch_at: float = 0.0
+
+    def initial_roles(self, n: int) -> list[Role]:
+        return [Role.PREFILL] * self.p1 + [Role.DECODE] * (n - self.p1)
+
+    def target(
+        self, view: ClusterView, forecast: Forecast | None, now: float
+    ) -> tuple[Allocation, str]:
+        p = self.p1 if now < self.switch_at else self.p2
+        return Allocation(p, len(view.workers) - p), f"two-phase {self.p1}->{self.p2}"
+
+
+def headroom(workload: str = "shift", gpus: int = 32) -> None:
+    """How much any allocation schedule could gain over the best static split: every
+    two-phase schedule (P1 prefill workers, then P2 from a switch time on) of a grid, in sync
+    mode, against the static splits, on the same seeded batch."""
+    cost = preset("h200")
+    spec = load_workload(workload)
+    base = SimConfig(gpus=gpus, mode="sync", seed=0)
+    settings = replace(
+        base.settings, policy="static", cooldown_s=0.0, max_switches_per_decision=gpus
+    )
+    cfg = replace(base, settings=settings, per_gpu=spec.trajectories_per_gpu).resolved()
+    scripts = generate(spec, cfg.trajectories, cfg.seed)
+
+    def makespan(p1: int, p2: int, switch_at: float) -> float:
+        pol = _TwoPhaseSplit(cfg.settings, cost.role_capacity(), p1=p1, p2=p2, switch_at=switch_at)
+        r = Simulator(cost, scripts, cfg, pol).run()
+        assert r.makespan_s is not None
+        return r.makespan_s
+
+    splits = [0, 1, 2, 4, 8, 16]
+    static = {p: makespan(p, p, 0.0) for p in splits}
+    best_p = min(static, key=lambda p: static[p])
+    best = static[best_p]
+    print(f"\n## headroom over the best static split · {workload} · sync · {gpus} GPUs")
+    print("static: " + " · ".join(f"{p}P {m:.0f} s" for p, m in static.items()))
+    schedules = {}
+    for frac in (0.1, 0.25, 0.5, 0.75):
+        for p1 in splits:
+            for p2 in splits:
+                if p1 != p2:
+                    t = frac * best
+                    schedules[(p1, p2, t)] = makespan(p1, p2, t)
+    (p1, p2, t), m = min(schedules.items(), key=lambda kv: kv[1])
+    print(
+        f"best of {len(schedules)} two-phase schedules: {p1}P until {t:.0f} s, then {p2}P:"
+        f" {m:.0f} s = {best / m:.3f}x the best static ({best_p}P, {best:.0f} s)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", choices=["table", "decision", "bigsim"], default=None)
+    ap.add_argument("--only", choices=["table", "decision", "bigsim", "headroom"], default=None)
     ap.add_argument("--workloads", default=",".join(BUILTIN))
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--gpus", type=int, default=32)
@@ -189,6 +256,8 @@ def main() -> None:
         decision_timing()
     if a.only in (None, "bigsim"):
         big_sim()
+    if a.only in (None, "headroom"):
+        headroom()
 
 
 if __name__ == "__main__":
