@@ -146,3 +146,19 @@ def test_predictive_holds_until_it_has_seen_enough() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown policy 'magic'"):
         make_policy(AllocationSettings(policy="magic"), CAP)
+
+
+def test_idle_prefill_workers_return_to_decode_even_when_decodes_are_long() -> None:
+    """Returning a prefill worker to decode only drains the request it is prefilling, so long
+    decodes (minutes of reasoning) must not pin an idle prefill pool in place; taking a
+    decode worker away does wait for its long decodes."""
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    fc = flat(prefill_tps=2_000, seqs=3_000, kv_per_seq=3_000)
+    fc.mean_decode_s = 90.0
+    d = pol.decide(view(3, 29), fc, now=0.0)
+    assert d.target.prefill < 3
+    assert all(s.from_role == Role.PREFILL for s in d.switches)
+    cost = PredictivePolicy(AllocationSettings(), CAP).cost
+    to_decode = cost(fc, 2, 3, 32) - cost(fc, 2, 2, 32)
+    to_prefill = cost(fc, 3, 2, 32) - cost(fc, 3, 3, 32)
+    assert to_prefill > 3 * to_decode > 0

@@ -332,10 +332,12 @@ class PredictivePolicy(Policy):
         backlog = fc.prefill_backlog_tokens
         mean_req = max(fc.mean_prefill_tokens, 1.0)
         carry = 0.0
-        # A switched worker drains: for about one decode's time it takes no new work of
-        # either role, and the sequences it would have served wait elsewhere.
+        # A switched worker drains and takes no new work of either role meanwhile; the
+        # sequences it would have served wait elsewhere. A decode worker drains for about one
+        # decode's time; a prefill worker only for the request it is prefilling.
         per_worker = fc.decode_seqs[0] / max(n, 1) if fc.decode_seqs else 0.0
-        lost = abs(p - cur_p) * per_worker * (fc.mean_decode_s + cap.switch_s)
+        drain_s = fc.mean_decode_s if p > cur_p else mean_req / cap.prefill_tokens_per_s
+        lost = abs(p - cur_p) * per_worker * (drain_s + cap.switch_s)
         for h in range(len(fc.decode_seqs)):
             switching = h < delay
             p_eff = min(p, cur_p) if switching else p
