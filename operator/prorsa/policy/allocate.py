@@ -35,7 +35,7 @@ class AllocationSettings:
     horizon_s: float = 60.0
     interval_s: float = 5.0
     cooldown_s: float = 10.0
-    hysteresis: float = 0.01  # predictive: switch only for this relative gain
+    hysteresis: float = 0.05  # predictive: switch only for this relative gain (forecasts err more)
     max_switches_per_decision: int = 4
     min_evidence: int = 200  # predictive: completed decodes to see before trusting a forecast
     # reactive thresholds (Dynamo-style load planner)
