@@ -310,10 +310,11 @@ class LifecycleTable:
         last_ts, state, since, turn = self.last_ts, self.state, self.state_since, self.turn
         context, pending = self.context, self.pending
         tool_hint, tool_out_est, after_tool = self.tool_hint, self.tool_out_est, self.after_tool
-        latest_ts = self._latest_ts
+        latest_ts, group = self._latest_ts, self.group
         learn = _Samples()
         remote, appended, decodes = learn.remote.extend, learn.appended.extend, learn.decodes.extend
         prefill_s, tool_s = learn.prefill_s.append, learn.tool_s.extend
+        first_prompt, continued = learn.first_prompts.append, learn.continued.append
         now = self.now
         dups = late_n = submitted = 0
         for ev in events:
@@ -344,28 +345,29 @@ class LifecycleTable:
                 uncached = ev.uncached_tokens
                 submitted += uncached
                 if uncached > 0:
-                    remote((uncached, 1.0 if ev.remote else 0.0))
+                    remote((uncached, ev.remote))
                 k = turn[i]
                 turn[i] = k + 1
                 ctx = context[i]
+                prompt = ev.prompt_tokens
                 if k == 0:
-                    learn.first_prompts.append(ev.prompt_tokens)
+                    first_prompt(prompt)
                 elif not late:
                     # What the turn appended (the tool's output) vs what its prefill computes:
                     # the excess is context the serving worker had evicted, recomputed.
-                    grew = max(ev.prompt_tokens - ctx, 0)
+                    grew = max(prompt - ctx, 0)
                     appended((k, grew, uncached, ctx))
                     # recency-weighted: an agent's observations change size as its task moves on
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
-                        learn.continued.append(k)
+                        continued(k)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
                             tool_s((ts - since[i], ts))
                 if not late:
                     after_tool[i] = 0
-                    if ev.prompt_tokens > ctx:
-                        context[i] = ev.prompt_tokens
+                    if prompt > ctx:
+                        context[i] = prompt
                     tool_hint[i] = _NO_HINT
                     pending[i] = uncached
                     new = _PREFILL
@@ -378,7 +380,7 @@ class LifecycleTable:
                     new = _DECODE
             elif code == _DECODED:
                 if ev.output_tokens > 0:
-                    decodes((self.group[i], ev.output_tokens, ev.seconds, ts))
+                    decodes((group[i], ev.output_tokens, ev.seconds, ts))
                 if not late:
                     context[i] += ev.output_tokens  # the next turn's prompt contains it
                     if old in _IN_TURN:
