@@ -74,9 +74,9 @@ def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -
         print("|---|---|---|---|---|---|---|")
         for wl, m in mapes.items():
             print(
-                f"| {wl} | {m['last']['prefill']:.0f}% | {m['ewma']['prefill']:.0f}% |"
-                f" {m['lifecycle']['prefill']:.0f}% | {m['last']['decode']:.0f}% |"
-                f" {m['ewma']['decode']:.0f}% | {m['lifecycle']['decode']:.0f}% |"
+                f"| {wl} | {m['last']['prefill']:.1f}% | {m['ewma']['prefill']:.1f}% |"
+                f" {m['lifecycle']['prefill']:.1f}% | {m['last']['decode']:.1f}% |"
+                f" {m['ewma']['decode']:.1f}% | {m['lifecycle']['decode']:.1f}% |"
             )
 
 
