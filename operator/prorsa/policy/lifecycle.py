@@ -189,7 +189,7 @@ _TURN_BINS = 16
 
 
 def turn_bins(turns: np.ndarray) -> np.ndarray:
-    """`turn_bin` of every element."""
+    """1, 2, 3, 4, 5-6, 7-8, 9-11, 12-16, ... (two bins per doubling), capped."""
     safe = np.maximum(turns, 1)
     return np.where(
         turns <= 1, 0, np.minimum((2.0 * np.log2(safe)).astype(np.int64), _TURN_BINS - 1)
@@ -197,10 +197,7 @@ def turn_bins(turns: np.ndarray) -> np.ndarray:
 
 
 def turn_bin(turn: int) -> int:
-    """1, 2, 3, 4, 5-6, 7-8, 9-11, 12-16, ... (two bins per doubling), capped."""
-    if turn <= 1:
-        return 0
-    return min(int(2.0 * math.log2(turn)), _TURN_BINS - 1)
+    return int(turn_bins(np.array([turn]))[0])
 
 
 _CODE = {e: i for i, e in enumerate(EventType)}  # event type -> small int, for the columns
@@ -576,29 +573,23 @@ class LifecycleTable:
         for i in stale.tolist():
             self.group[i] = -1
 
-    def _group_factor(self, g: int) -> float:
-        if self.stats.output_len.n <= 0:
-            return 1.0
-        return math.exp(self._group_row_log_mean(g) - self.stats.output_len.mean)
-
-    def _group_row_log_mean(self, g: int) -> float:
-        prior = self.stats.output_len.mean if self.stats.output_len.n > 0 else math.log(256.0)
-        if g < 0 or self.group_n[g] == 0:
-            return prior
-        k = self.group_prior_weight
-        return (self.group_log_sum[g] + k * prior) / (self.group_n[g] + k)
-
     def group_factor(self, group: str | None) -> float:
         """How much longer than average this group's outputs run (1.0: average)."""
-        return self._group_factor(self.groups.get(group, -1) if group is not None else -1)
+        if self.stats.output_len.n <= 0:
+            return 1.0
+        return math.exp(self.group_log_mean(group) - self.stats.output_len.mean)
 
     def group_log_mean(self, group: str | None) -> float:
         """Shrunk estimate of log output tokens for one turn of a trajectory in `group`."""
-        return self._group_row_log_mean(self.groups.get(group, -1) if group is not None else -1)
+        g = self.groups.get(group, -1) if group is not None else -1
+        return float(self.group_log_means()[g]) if g >= 0 else self._prior_log_len()
+
+    def _prior_log_len(self) -> float:
+        return self.stats.output_len.mean if self.stats.output_len.n > 0 else math.log(256.0)
 
     def group_log_means(self) -> np.ndarray:
         """`group_log_mean` of every group row, for vectorised lookups by row."""
-        prior = self.stats.output_len.mean if self.stats.output_len.n > 0 else math.log(256.0)
+        prior = self._prior_log_len()
         n = np.frombuffer(self.group_n, dtype=np.float64)
         s = np.frombuffer(self.group_log_sum, dtype=np.float64)
         k = self.group_prior_weight

@@ -111,10 +111,6 @@ class LogHistogram:
         """A representative value of each bin (geometric middle; half of `lo` for bin 0)."""
         return np.where(i == 0, self.lo * 0.5, self.lo * self.ratio ** (i - 0.5))
 
-    def edge(self, i: int) -> float:
-        """Upper edge of bin i (bin 0 holds everything below `lo`)."""
-        return self.lo * self.ratio**i
-
     def add(self, x: float, now: float = 0.0) -> None:
         # Newer samples get a growing weight instead of scaling every bin on each sample.
         exponent = self._rate * (now - self._t0)
@@ -191,18 +187,5 @@ class LogHistogram:
         return np.where(t <= 0, 1.0, lower + (upper - lower) * frac)
 
     def survival(self, t: float, table: list[float]) -> float:
-        if self.total <= 0:
-            return 0.0
-        if t <= 0:
-            return 1.0
-        i = self.index(t)
-        upper = table[i]
-        lower_edge = self.edge(i - 1) if i > 0 else 0.0
-        lower = table[i - 1] if i > 0 else 1.0
-        if i == 0:
-            frac = t / self.lo
-        else:
-            hi_edge = self.edge(i)
-            frac = (math.log(t) - math.log(lower_edge)) / (math.log(hi_edge) - math.log(lower_edge))
-        frac = min(max(frac, 0.0), 1.0)
-        return lower + (upper - lower) * frac
+        """P(X > t), interpolated in log-time between the table's bin edges."""
+        return float(self.survival_array(np.array([t], dtype=np.float64), table)[0])
