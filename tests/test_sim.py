@@ -139,3 +139,48 @@ def test_chunked_prefill_slows_the_decodes_it_rides_with() -> None:
     alone = COST.decode_step_s(16, 200_000)
     mixed = COST.mixed_step_s(16, 200_000, chunk=2048, chunk_ctx=20_000)
     assert mixed > 3 * alone
+
+
+def test_oracle_acts_on_its_forecast_from_the_first_decision() -> None:
+    """The oracle knows the future: it must not wait, like a forecaster, for decodes to learn
+    from (an oracle that never switches is only the initial split in disguise)."""
+    sim = _sim("search", "oracle", gpus=4, n=64)
+    reasons: list[str] = []
+    backlogs: list[tuple[float, float]] = []
+    decide = sim.policy.decide
+
+    def recorded(view, forecast, now):  # type: ignore[no-untyped-def]
+        d = decide(view, forecast, now)
+        reasons.append(d.reason)
+        assert forecast is not None
+        backlogs.append((forecast.prefill_backlog_tokens, sim.table.prefill_backlog_tokens))
+        return d
+
+    sim.policy.decide = recorded  # type: ignore[method-assign]
+    sim.run()
+    assert reasons and not any("learning" in r for r in reasons)
+    assert all(f == t for f, t in backlogs)
+    assert any(f > 0 for f, _ in backlogs)
+
+
+def test_colocated_workers_shed_trajectories_like_the_router_does() -> None:
+    """The router applies its rebalancing rule to every worker that decodes, mixed ones too;
+    the simulated colocated baseline must get the same placement, not a stickier one."""
+    sim = _sim("swe", "colocated", gpus=4, n=48)
+    crowded, others = sim.workers[0], sim.workers[1:]
+    for tr in sim.trajs[:20]:
+        sim._set_home(tr, crowded)
+    tr = sim.trajs[0]
+    # a later turn whose context the crowded worker no longer holds: the new home recomputes
+    w, local, _ = sim._place_prefill(tr, 3000, 200)
+    assert w in others and local and sim.workers[tr.decode_home] is w
+    # one it still holds: the crowded worker prefills it and the new home pulls the KV
+    moved = sim.trajs[1]
+    crowded.cache[moved.idx] = 2800
+    w, local, _ = sim._place_prefill(moved, 3000, 200)
+    assert w is crowded and not local and sim.workers[moved.decode_home] in others
+    # a worker hosting its fair share keeps its trajectories
+    calm = sim.trajs[30]
+    sim._set_home(calm, others[0])
+    w, local, _ = sim._place_prefill(calm, 3000, 200)
+    assert w is others[0] and local

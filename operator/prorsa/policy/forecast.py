@@ -60,7 +60,8 @@ class Forecaster(Protocol):
     def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast: ...
 
 
-def _common(table: LifecycleTable) -> dict[str, float]:
+def table_facts(table: LifecycleTable) -> dict[str, float]:
+    """What every forecast reports about now, whatever it predicts about the future."""
     st = table.stats
     mean_req = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
     return {
@@ -91,7 +92,7 @@ class LastValueForecaster:
         rate = self._observed_rate(table, now)
         seqs = float(table.count(State.DECODE))
         kv = float(table.decode_context_tokens)
-        return Forecast.flat(horizon, rate, seqs, kv, **_common(table))
+        return Forecast.flat(horizon, rate, seqs, kv, **table_facts(table))
 
 
 class EwmaForecaster(LastValueForecaster):
@@ -114,7 +115,7 @@ class EwmaForecaster(LastValueForecaster):
         self._rate = rate if self._rate is None else self._rate + a * (rate - self._rate)
         self._seqs = seqs if self._seqs is None else self._seqs + a * (seqs - self._seqs)
         self._kv = kv if self._kv is None else self._kv + a * (kv - self._kv)
-        return Forecast.flat(horizon, self._rate, self._seqs, self._kv, **_common(table))
+        return Forecast.flat(horizon, self._rate, self._seqs, self._kv, **table_facts(table))
 
 
 _TURN_TABLE = 256  # continuation probabilities looked up per turn index up to this depth
@@ -316,7 +317,7 @@ class LifecycleForecaster:
         prefill = [x * g for x, g in zip(prefill, gain_p, strict=True)]
         seqs = [x * g for x, g in zip(seqs, gain_d, strict=True)]
         kv = [x * g for x, g in zip(kv, gain_d, strict=True)]
-        return Forecast(dt, prefill, seqs, kv, **_common(table))
+        return Forecast(dt, prefill, seqs, kv, **table_facts(table))
 
     def _calibrate(
         self,

@@ -49,9 +49,10 @@ def run_policy(
 
 
 def static_splits(gpus: int) -> list[int]:
-    """Prefill-worker counts a user might try: one, two, then eighths of the cluster."""
+    """Prefill-worker counts a user might try: none (decode workers prefill locally), one,
+    two, then eighths of the cluster."""
     eighths = {min(max(1, round(gpus * k / 8)), gpus - 1) for k in range(1, 8)}
-    return sorted({1, min(2, gpus - 1)} | eighths)
+    return sorted({0, 1, min(2, gpus - 1)} | eighths)
 
 
 def score(r: SimResult) -> float:

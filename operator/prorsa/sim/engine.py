@@ -384,17 +384,16 @@ class Simulator:
     ) -> tuple[SimWorker, bool, bool]:
         """Where this turn's prefill runs: (worker, local, pool_worthy).
 
-        Colocated: on the trajectory's home worker. Disaggregated: the shared rules of
-        `prorsa.policy.placement`; a pool prefill goes to the prefill worker with the least
+        The shared rules of `prorsa.policy.placement`, as the router applies them to any
+        worker that decodes (mixed ones included): the trajectory's home worker unless it hosts
+        far more than its share; a pool prefill goes to the prefill worker with the least
         queued work, or to the one that prefilled this trajectory before if its cached prefix
-        makes it cheaper (prefix affinity).
+        makes it cheaper (prefix affinity). Colocated clusters have no pool: all local.
         """
         rules = self.cfg.placement
         self._pools()
         home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
-        if home is not None and home.role == Role.MIXED and home.accepts(Role.MIXED):
-            return home, True, False
-        if home is not None and home.role == Role.DECODE and home.accepts(Role.DECODE):
+        if home is not None and home.accepts(Role.DECODE):
             moved = self._rebalance(tr, home)
             if moved is not None:
                 # The old home holds the prefix: it prefills the turn (kv_both) and the new

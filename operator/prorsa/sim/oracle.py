@@ -3,12 +3,15 @@
 It knows every trajectory's script: exact remaining output of each running decode, exact tool
 return times, exact sizes of future turns. It still has to assume a decode pace (the observed
 one) and instant prefills, so it is the best forecast a forecaster could hope for, and the
-`oracle` policy (the predictive allocator fed this forecast) is the bound the others aim at.
+`oracle` policy (the predictive allocator fed this forecast) bounds what a better forecast can
+buy. It does not bound every policy: the allocator's cost model is still an approximation.
 """
 
 from __future__ import annotations
 
-from prorsa.policy.forecast import Forecast
+import math
+
+from prorsa.policy.forecast import Forecast, table_facts
 from prorsa.sim.engine import Simulator
 
 
@@ -59,6 +62,8 @@ def oracle_forecast(sim: Simulator) -> Forecast:
             ctx += turns[nxt].output_tokens
             t_sub = t_fin + turns[nxt].tool_s
             nxt += 1
-    backlog = float(sim.table.prefill_backlog_tokens)
-    mean_req = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
-    return Forecast(dt, prefill, seqs, kv, backlog, max(mean_req, 1.0), tpot)
+    # What the table knows (backlog, request size, pace) comes from the table as for any
+    # forecaster; the future is known, so the allocator need not wait for evidence.
+    facts = table_facts(sim.table)
+    facts["evidence"] = math.inf
+    return Forecast(dt, prefill, seqs, kv, **facts)
