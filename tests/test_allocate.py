@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from prorsa.policy.allocate import (
@@ -162,3 +164,20 @@ def test_idle_prefill_workers_return_to_decode_even_when_decodes_are_long() -> N
     to_decode = cost(fc, 2, 3, 32) - cost(fc, 2, 2, 32)
     to_prefill = cost(fc, 3, 2, 32) - cost(fc, 3, 3, 32)
     assert to_prefill > 3 * to_decode > 0
+
+
+def test_a_prefill_pool_is_charged_the_recompute_its_lost_kv_causes() -> None:
+    """When live contexts overflow the decode workers' KV, most prefill is recompute of evicted
+    contexts, and every worker taken from decode evicts more: a pool that looks worth opening
+    on the prefill rate alone is not."""
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    fc = flat(prefill_tps=200_000, seqs=100, kv_per_seq=10_000)
+    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 2.0  # half the contexts fit
+    assert pol.decide(view(0, 16), fc, now=0.0).target.prefill >= 1  # blind to eviction
+    fc.recompute_fraction = 0.9
+    assert pol.cost(fc, 4, 0, 16) > pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)
+    assert pol.cost(fc, 0, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 0, 0, 16)
+    assert pol.decide(view(0, 16), fc, now=0.0).target.prefill == 0
+    # with room for every context, nothing is evicted and the pool is judged as before
+    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 0.5
+    assert pol.cost(fc, 4, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)

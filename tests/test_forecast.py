@@ -130,3 +130,24 @@ def test_scorer_weighted_mape() -> None:
     m = sc.mape()
     assert m["prefill"] == pytest.approx(100 * 50 / 150)
     assert m["decode"] == pytest.approx(100 * 5 / 15)
+
+
+def test_every_forecast_reports_the_share_of_prefill_that_recomputes_evicted_contexts() -> None:
+    """The allocator needs it to price the KV a prefill pool takes from decode."""
+
+    def table(evicted: bool) -> LifecycleTable:
+        tab = LifecycleTable()
+        for i in range(50):
+            tid = f"t{i}"
+            tab.apply(Event(EventType.TRAJ_START, tid, 0.0, group=f"g{i}"))
+            tab.ingest(turn(tid, 0.0, 4000, 4000, 1000))
+            # the tool appended 500 tokens to a 5000-token context: prefill 500, or all of it
+            tab.ingest(turn(tid, 10.0, 5500, 5500 if evicted else 500, 1000))
+        return tab
+
+    for f in (LastValueForecaster(), EwmaForecaster(), LifecycleForecaster("sync")):
+        thrashing = f.forecast(table(evicted=True), 20.0, H)
+        warm = f.forecast(table(evicted=False), 20.0, H)
+        assert thrashing.recompute_fraction > 0.8
+        assert warm.recompute_fraction < 0.05
+        assert thrashing.resident_kv_tokens == warm.resident_kv_tokens == 50 * 6500

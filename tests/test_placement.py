@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from prorsa.policy.placement import PlacementSettings, overloaded, pool_worthy, stays_local
+from prorsa.policy.placement import PlacementSettings, pool_worthy, sheds_load, stays_local
 
 S = PlacementSettings()
 
@@ -26,6 +26,10 @@ def test_pool_worthy_work_stays_local_when_the_pool_is_saturated_or_would_recomp
     )
 
 
-def test_rebalance_only_clearly_overloaded_workers() -> None:
-    assert not overloaded(S, hosted=20, mean_hosted=16.0)
-    assert overloaded(S, hosted=23, mean_hosted=16.0)
+def test_rebalance_only_clearly_overloaded_workers_or_towards_an_idle_one() -> None:
+    assert not sheds_load(S, hosted=20, mean_hosted=16.0, least_hosted=12)
+    assert sheds_load(S, hosted=23, mean_hosted=16.0, least_hosted=12)
+    # a worker that just joined the decode pool takes the surplus of any above the mean
+    assert sheds_load(S, hosted=17, mean_hosted=16.0, least_hosted=7)
+    assert not sheds_load(S, hosted=16, mean_hosted=16.0, least_hosted=0)
+    assert not sheds_load(S, hosted=17, mean_hosted=16.0, least_hosted=8)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from prorsa.policy.allocate import AllocationSettings, make_policy
+from prorsa.policy.allocate import AllocationSettings, Role, make_policy
 from prorsa.policy.lifecycle import EventType
 from prorsa.sim.compare import run_policy
 from prorsa.sim.costmodel import preset
@@ -184,3 +184,18 @@ def test_colocated_workers_shed_trajectories_like_the_router_does() -> None:
     sim._set_home(calm, others[0])
     w, local, _ = sim._place_prefill(calm, 3000, 200)
     assert w is others[0] and local
+
+
+def test_a_colocated_cluster_is_a_decode_pool_without_a_prefill_pool() -> None:
+    """Mixed workers are placed by the router's rules like decode workers, and with no prefill
+    pool every decode worker prefills its own turns: the same cluster, the same run."""
+    colocated = _sim("swe", "colocated", gpus=4, n=64).run()
+    decode_only = _sim("swe", "static", gpus=4, n=64)
+    decode_only.policy.settings = replace(decode_only.settings, static_prefill=0)
+    for w in decode_only.workers:
+        w.role = Role.DECODE
+    decode_only._pools_dirty = True
+    result = decode_only.run()
+    assert result.switches == 0
+    assert result.makespan_s == colocated.makespan_s
+    assert result.prefill_tokens_computed == colocated.prefill_tokens_computed

@@ -338,6 +338,11 @@ class PredictivePolicy(Policy):
         per_worker = fc.decode_seqs[0] / max(n, 1) if fc.decode_seqs else 0.0
         drain_s = fc.mean_decode_s if p > cur_p else mean_req / cap.prefill_tokens_per_s
         lost = abs(p - cur_p) * per_worker * (drain_s + cap.switch_s)
+        # Recompute scales with the share of live contexts the decode workers cannot hold
+        # (the forecast saw it at the current split; fewer decode workers evict more).
+        ev_now = _evicted(fc, n - cur_p, cap.kv_capacity_tokens)
+        ev_p = _evicted(fc, n - p, cap.kv_capacity_tokens)
+        more_recompute = fc.recompute_fraction * (ev_p / ev_now - 1.0) if ev_now > 0.05 else 0.0
         for h in range(len(fc.decode_seqs)):
             switching = h < delay
             p_eff = min(p, cur_p) if switching else p
@@ -345,7 +350,7 @@ class PredictivePolicy(Policy):
             # Prefill: the pool-worthy share goes to the prefill pool while the pool keeps up;
             # the router spills what it cannot take, and every short append, to the decode
             # workers, which prefill it between their decode steps.
-            demand = fc.prefill_tokens_per_s[h]
+            demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
             remote = demand * fc.remote_prefill_share + backlog / dt
             served = min(remote, p_eff * cap.prefill_tokens_per_s)
             local = demand - served
@@ -377,6 +382,13 @@ class PredictivePolicy(Policy):
             lost += seqs * dt * frac
             carry = seqs * frac
         return lost
+
+
+def _evicted(fc: Forecast, decode_workers: int, kv_per_worker: float) -> float:
+    """Share of the live trajectories' context that does not fit in the decode workers' KV."""
+    if fc.resident_kv_tokens <= 0:
+        return 0.0
+    return max(0.0, 1.0 - decode_workers * kv_per_worker / fc.resident_kv_tokens)
 
 
 POLICIES: dict[str, type[Policy]] = {

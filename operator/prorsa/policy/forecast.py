@@ -45,6 +45,8 @@ class Forecast:
     remote_prefill_share: float = 1.0  # of prefill work, the part the prefill pool serves
     mean_decode_s: float = 1.0  # one decode request, queueing included (a switch drains this)
     evidence: float = 0.0  # completed decodes the statistics behind this forecast have seen
+    recompute_fraction: float = 0.0  # of prefill work, the part recomputing evicted contexts
+    resident_kv_tokens: float = 0.0  # context of every live trajectory (decode caches keep it)
 
     @classmethod
     def flat(
@@ -64,7 +66,12 @@ def table_facts(table: LifecycleTable) -> dict[str, float]:
     """What every forecast reports about now, whatever it predicts about the future."""
     st = table.stats
     mean_req = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
+    resident = float(table.resident_context_tokens)
+    live = table.in_flight
+    recomputed = st.recompute_share.get(0.0) * (resident / live if live else 0.0)
     return {
+        "recompute_fraction": recomputed / (recomputed + max(mean_req, 1.0)),
+        "resident_kv_tokens": resident,
         "prefill_backlog_tokens": float(table.prefill_backlog_tokens),
         "mean_prefill_tokens": max(mean_req, 1.0),
         "decode_s_per_token": st.tpot(0.02),

@@ -648,6 +648,13 @@ class LifecycleTable:
         decoding = np.frombuffer(self.state, dtype=np.int8) == _DECODE
         return int(np.frombuffer(self.context, dtype=np.int64)[decoding].sum())
 
+    @property
+    def resident_context_tokens(self) -> int:
+        """Context of every live trajectory: the KV decode workers try to keep between turns
+        (what does not fit is evicted and recomputed when the trajectory comes back)."""
+        live = np.frombuffer(self.state, dtype=np.int8) < _DONE
+        return int(np.frombuffer(self.context, dtype=np.int64)[live].sum())
+
     def live_rows(self) -> Rows:
         """The columns of every live trajectory, as numpy arrays (copies)."""
         state = np.array(self.state, dtype=np.int8)

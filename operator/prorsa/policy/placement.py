@@ -21,6 +21,7 @@ class PlacementSettings:
     remote_recompute_factor: float = 2.0  # pool would compute > this x the append: stay local
     rebalance_over: float = 1.25  # a worker hosting > this x the mean (plus slack) sheds load
     rebalance_slack: int = 2
+    rebalance_under: float = 0.5  # a worker hosting < this x the mean takes any surplus
 
 
 def pool_worthy(s: PlacementSettings, holds_prefix: bool, new_tokens: int) -> bool:
@@ -41,5 +42,10 @@ def stays_local(
     return holds_prefix and pool_compute_tokens > s.remote_recompute_factor * new_tokens
 
 
-def overloaded(s: PlacementSettings, hosted: int, mean_hosted: float) -> bool:
-    return hosted > s.rebalance_over * mean_hosted + s.rebalance_slack
+def sheds_load(s: PlacementSettings, hosted: int, mean_hosted: float, least_hosted: int) -> bool:
+    """Whether a worker should hand its next turn to the least-loaded worker: when it hosts
+    far more than its share, or when some worker hosts far less (it just joined the decode
+    pool after a role switch or a scale-up, and sticky placement alone would leave it idle)."""
+    if hosted > s.rebalance_over * mean_hosted + s.rebalance_slack:
+        return True
+    return hosted > mean_hosted and least_hosted < s.rebalance_under * mean_hosted

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from prorsa.policy.placement import PlacementSettings, overloaded, pool_worthy, stays_local
+from prorsa.policy.placement import PlacementSettings, pool_worthy, sheds_load, stays_local
 from prorsa.router.pool import Pool, Worker
 
 
@@ -105,8 +105,9 @@ class Placement:
         decoders = [w for w in workers if healthy(w, facts) and serves_decode(w, facts)]
         sticky = next((w for w in decoders if w.name == facts.sticky), None)
         if sticky is not None:
-            mean = sum(self._hosted(w, facts) for w in decoders) / len(decoders)
-            if not overloaded(self.settings, int(self._hosted(sticky, facts)), mean):
+            hosted = [int(self._hosted(w, facts)) for w in decoders]
+            mean = sum(hosted) / len(hosted)
+            if not sheds_load(self.settings, int(self._hosted(sticky, facts)), mean, min(hosted)):
                 return sticky
         chosen = pick(decoders, facts, [], [self._hosted, inflight])
         # No decode-capable worker: any healthy worker serves the whole turn.

@@ -37,7 +37,7 @@ from prorsa.policy.forecast import (
     make_forecaster,
 )
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
-from prorsa.policy.placement import PlacementSettings, overloaded, pool_worthy, stays_local
+from prorsa.policy.placement import PlacementSettings, pool_worthy, sheds_load, stays_local
 from prorsa.sim.costmodel import Cost
 from prorsa.sim.workload import TrajectoryScript
 
@@ -312,8 +312,6 @@ class Simulator:
         tr.started_at = self.now
         self.started += 1
         self._emit(EventType.TRAJ_START, tr, group=tr.script.group)
-        if self.policy.name == "colocated":
-            self._set_home(tr, self.workers[tr.idx % len(self.workers)])
         self._submit_turn(tr)
 
     def _submit_turn(self, tr: TrajRun) -> None:
@@ -447,15 +445,16 @@ class Simulator:
         return w
 
     def _rebalance(self, tr: TrajRun, home: SimWorker) -> SimWorker | None:
-        """Move a trajectory off a decode worker that hosts far more than its share (after
-        role switches, sticky placement alone would leave new decode workers idle)."""
+        """Move a trajectory to the least-loaded decode worker when its home should shed load
+        (`sheds_load`: after role switches, sticky placement alone would leave new decode
+        workers idle)."""
         pool = self._decode_pool
         if len(pool) < 2:
             return None
         avg = sum(w.homed for w in pool) / len(pool)
-        if not overloaded(self.cfg.placement, home.homed, avg):
-            return None
         target = min(pool, key=lambda w: w.homed)
+        if not sheds_load(self.cfg.placement, home.homed, avg, target.homed):
+            return None
         if target.homed >= avg:
             return None
         self._set_home(tr, target)
