@@ -2,7 +2,7 @@
 
 Prints figures, asserts nothing. Every ratio is against a baseline measured in the same run.
 
-    .venv/bin/python benchmarks/brain.py            # everything (~20 min on 2 cores)
+    .venv/bin/python benchmarks/brain.py            # everything (~35 min on 2 cores)
     .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
 """
 
@@ -258,16 +258,76 @@ def headroom(workload: str = "shift", gpus: int = 32) -> None:
     )
 
 
+def seed_spread(
+    workloads: list[str], modes: list[str], gpus: int, preset_name: str, seeds: int
+) -> None:
+    """How much of a ratio is the seed: predictive and reactive vs colocated over seeds."""
+    cost = preset(preset_name)
+    print(f"## seed spread · {gpus} GPUs · {preset_name} · seeds 0-{seeds - 1}")
+    print("| workload | mode | predictive vs colocated | reactive vs colocated |")
+    print("|---|---|---|---|")
+    for wl in workloads:
+        spec = load_workload(wl)
+        for mode in modes:
+            ratios: dict[str, list[float]] = {"predictive": [], "reactive": []}
+            for seed in range(seeds):
+                cfg = SimConfig(gpus=gpus, mode=mode, seed=seed)  # type: ignore[arg-type]
+                base = score(run_policy(cost, spec, cfg, "colocated"))
+                for name, out in ratios.items():
+                    out.append(base / score(run_policy(cost, spec, cfg, name)))
+
+            def span(xs: list[float]) -> str:
+                return f"{min(xs):.3f}-{max(xs):.3f}x (median {statistics.median(xs):.3f})"
+
+            print(f"| {wl} | {mode} | {span(ratios['predictive'])} | {span(ratios['reactive'])} |")
+
+
+def noise_floor(
+    workloads: list[str], modes: list[str], gpus: int, preset_name: str, runs: int
+) -> None:
+    """How chaotic the rollout is: the same colocated run with the decode step's fixed
+    overhead nudged by one part per million. Ratios between policies closer than this spread
+    are not differences of policy."""
+    base = preset(preset_name)
+    print(f"## noise floor · colocated · {gpus} GPUs · {preset_name} · seed 0 · {runs} runs")
+    print("| workload | mode | spread (max/min) | runs |")
+    print("|---|---|---|---|")
+    for wl in workloads:
+        spec = load_workload(wl)
+        for mode in modes:
+            scores = []
+            for k in range(runs):
+                eff = replace(base.eff, step_overhead_s=base.eff.step_overhead_s * (1 + 1e-6 * k))
+                cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
+                scores.append(score(run_policy(replace(base, eff=eff), spec, cfg, "colocated")))
+            spread = max(scores) / min(scores)
+            shown = ", ".join(
+                f"{s:.0f} s" if mode == "sync" else f"{1 / s:.1f}/min" for s in scores
+            )
+            print(f"| {wl} | {mode} | {spread:.3f}x | {shown} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--only", choices=["table", "decision", "bigsim", "headroom"], default=None)
+    ap.add_argument(
+        "--only",
+        choices=["table", "seeds", "noise", "decision", "bigsim", "headroom"],
+        default=None,
+    )
     ap.add_argument("--workloads", default=",".join(BUILTIN))
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--gpus", type=int, default=32)
     ap.add_argument("--preset", default="h200")
+    ap.add_argument(
+        "--seeds", type=int, default=4, help="seeds (--only seeds) or nudged runs (--only noise)"
+    )
     a = ap.parse_args()
     if a.only in (None, "table"):
         table(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset)
+    if a.only in (None, "seeds"):
+        seed_spread(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
+    if a.only in (None, "noise"):
+        noise_floor(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
     if a.only in (None, "decision"):
         decision_timing()
     if a.only in (None, "bigsim"):

@@ -71,11 +71,23 @@ def test_predictive_respects_min_counts_and_the_cap_per_decision() -> None:
     assert pol.clamp(Allocation(0, 16), 16) == Allocation(2, 14)
 
 
-def test_hysteresis_holds_when_the_gain_is_small() -> None:
+def test_hysteresis_holds_a_small_gain_from_growing_the_prefill_pool() -> None:
     pol = PredictivePolicy(AllocationSettings(hysteresis=0.5, cooldown_s=0), CAP)
-    fc = flat(prefill_tps=30_000, seqs=100)
+    fc = flat(prefill_tps=60_000, seqs=100)
+    assert pol.cost(fc, 3, 2, 16) < pol.cost(fc, 2, 2, 16)  # one more would help a little
     d = pol.decide(view(2, 14), fc, now=0.0)
     assert d.switches == [] and "hold" in d.reason
+
+
+def test_a_prefill_pool_that_stopped_paying_goes_back_to_decode_without_hysteresis() -> None:
+    """The cost is mostly trajectory-seconds no split can save, so a gain of a few percent of
+    it is a large real difference; hysteresis there kept unneeded pools for many minutes."""
+    pol = PredictivePolicy(AllocationSettings(hysteresis=0.5, cooldown_s=0), CAP)
+    fc = flat(prefill_tps=60_000, seqs=100)
+    gain = pol.cost(fc, 6, 6, 16) - pol.cost(fc, 3, 6, 16)
+    assert 0 < gain < 0.5 * pol.cost(fc, 6, 6, 16)
+    d = pol.decide(view(6, 10), fc, now=0.0)
+    assert d.target.prefill == 3
 
 
 def test_cooldown_blocks_back_to_back_switches() -> None:

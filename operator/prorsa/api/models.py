@@ -118,7 +118,8 @@ class Allocation(_Model):
         ge=0,
         le=1,
         description=(
-            "predictive: the predicted gain a new split needs over the current one (0.1: 10%)."
+            "predictive: the predicted gain a larger prefill pool needs over the current split"
+            " (0.1: 10%); shrinking the pool needs none."
         ),
     )
     maxSwitchesPerDecision: int = Field(default=_ALLOC.max_switches_per_decision, ge=1,

@@ -35,7 +35,7 @@ class AllocationSettings:
     horizon_s: float = 60.0
     interval_s: float = 5.0
     cooldown_s: float = 10.0
-    hysteresis: float = 0.05  # predictive: switch only for this relative gain (forecasts err more)
+    hysteresis: float = 0.05  # predictive: grow the prefill pool only for this relative gain
     max_switches_per_decision: int = 4
     min_evidence: int = 200  # predictive: completed decodes to see before trusting a forecast
     # reactive thresholds (Dynamo-style load planner)
@@ -280,7 +280,8 @@ class PredictivePolicy(Policy):
     queues when demand exceeds P workers' capacity (each waiting request loses its time);
     decode sequences slow down as batches and KV reads grow on D workers, and stall outright
     when their KV does not fit. Workers that must switch contribute nothing until their
-    switch completes. The best split wins only if it beats the current one by the hysteresis.
+    switch completes. A larger prefill pool wins only if it beats the current split by the
+    hysteresis; a smaller one wins on any gain (a pool that stopped paying goes back to decode).
     """
 
     name: str = "predictive"
@@ -319,7 +320,11 @@ class PredictivePolicy(Policy):
             f" decode {forecast.decode_seqs[0]:.0f}->{forecast.decode_seqs[-1]:.0f} seqs;"
             f" lost {cur_cost:.0f}->{best_cost:.0f} traj-s"
         )
-        if best_p == cur.prefill or gain <= self.settings.hysteresis * max(cur_cost, 1.0):
+        # Hysteresis guards growing the prefill pool only: the cost is a sum of trajectory-
+        # seconds most of which no split can save, so a few percent of it is a large real
+        # difference, and a pool that has stopped paying for itself goes back to decode.
+        needed = 0.0 if best_p < cur.prefill else self.settings.hysteresis * max(cur_cost, 1.0)
+        if best_p == cur.prefill or gain <= needed:
             return cur, f"{facts}: hold {cur}"
         target = Allocation(best_p, n - best_p)
         return target, f"{facts}: {cur}->{target}"
