@@ -12,6 +12,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from prorsa.policy.allocate import (
@@ -28,7 +29,7 @@ from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.costmodel import preset
 from prorsa.sim.engine import SimConfig, SimResult, Simulator
-from prorsa.sim.workload import BUILTIN, generate, load_workload
+from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
 
 
 def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -> None:
@@ -258,6 +259,13 @@ def headroom(workload: str = "shift", gpus: int = 32) -> None:
     )
 
 
+def _cases(workloads: list[str], modes: list[str]) -> Iterator[tuple[str, WorkloadSpec, str]]:
+    for wl in workloads:
+        spec = load_workload(wl)
+        for mode in modes:
+            yield wl, spec, mode
+
+
 def seed_spread(
     workloads: list[str], modes: list[str], gpus: int, preset_name: str, seeds: int
 ) -> None:
@@ -266,20 +274,18 @@ def seed_spread(
     print(f"## seed spread · {gpus} GPUs · {preset_name} · seeds 0-{seeds - 1}")
     print("| workload | mode | predictive vs colocated | reactive vs colocated |")
     print("|---|---|---|---|")
-    for wl in workloads:
-        spec = load_workload(wl)
-        for mode in modes:
-            ratios: dict[str, list[float]] = {"predictive": [], "reactive": []}
-            for seed in range(seeds):
-                cfg = SimConfig(gpus=gpus, mode=mode, seed=seed)  # type: ignore[arg-type]
-                base = score(run_policy(cost, spec, cfg, "colocated"))
-                for name, out in ratios.items():
-                    out.append(base / score(run_policy(cost, spec, cfg, name)))
+    for wl, spec, mode in _cases(workloads, modes):
+        ratios: dict[str, list[float]] = {"predictive": [], "reactive": []}
+        for seed in range(seeds):
+            cfg = SimConfig(gpus=gpus, mode=mode, seed=seed)  # type: ignore[arg-type]
+            base = score(run_policy(cost, spec, cfg, "colocated"))
+            for name, out in ratios.items():
+                out.append(base / score(run_policy(cost, spec, cfg, name)))
 
-            def span(xs: list[float]) -> str:
-                return f"{min(xs):.3f}-{max(xs):.3f}x (median {statistics.median(xs):.3f})"
+        def span(xs: list[float]) -> str:
+            return f"{min(xs):.3f}-{max(xs):.3f}x (median {statistics.median(xs):.3f})"
 
-            print(f"| {wl} | {mode} | {span(ratios['predictive'])} | {span(ratios['reactive'])} |")
+        print(f"| {wl} | {mode} | {span(ratios['predictive'])} | {span(ratios['reactive'])} |")
 
 
 def noise_floor(
@@ -292,19 +298,15 @@ def noise_floor(
     print(f"## noise floor · colocated · {gpus} GPUs · {preset_name} · seed 0 · {runs} runs")
     print("| workload | mode | spread (max/min) | runs |")
     print("|---|---|---|---|")
-    for wl in workloads:
-        spec = load_workload(wl)
-        for mode in modes:
-            scores = []
-            for k in range(runs):
-                eff = replace(base.eff, step_overhead_s=base.eff.step_overhead_s * (1 + 1e-6 * k))
-                cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
-                scores.append(score(run_policy(replace(base, eff=eff), spec, cfg, "colocated")))
-            spread = max(scores) / min(scores)
-            shown = ", ".join(
-                f"{s:.0f} s" if mode == "sync" else f"{1 / s:.1f}/min" for s in scores
-            )
-            print(f"| {wl} | {mode} | {spread:.3f}x | {shown} |")
+    for wl, spec, mode in _cases(workloads, modes):
+        scores = []
+        for k in range(runs):
+            eff = replace(base.eff, step_overhead_s=base.eff.step_overhead_s * (1 + 1e-6 * k))
+            cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
+            scores.append(score(run_policy(replace(base, eff=eff), spec, cfg, "colocated")))
+        spread = max(scores) / min(scores)
+        shown = ", ".join(f"{s:.0f} s" if mode == "sync" else f"{1 / s:.1f}/min" for s in scores)
+        print(f"| {wl} | {mode} | {spread:.3f}x | {shown} |")
 
 
 def main() -> None:
