@@ -45,6 +45,7 @@ def test_simulate_writes_the_documented_json(tmp_path: Path, mode: str) -> None:
     assert "forecast_mape_pct" in data["results"]["predictive"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "predictive" in res.output and "speedup" in res.output
+    assert "run-to-run noise" in res.output  # one seed's ratios come with their caveat
 
 
 def test_bad_workload_file_exits_2_with_the_field(tmp_path: Path) -> None:

@@ -169,6 +169,11 @@ def _print_table(c: Comparison) -> None:
             f"{k} prefill {v['prefill']:.0f}% decode {v['decode']:.0f}%" for k, v in m.items()
         )
         out.print(f"forecast error (weighted MAPE over the horizon): {line}")
+    if len(c.results) > 1:
+        out.print(
+            "one seed: rollouts are chaotic, and speedups within ~3% of 1.00x are run-to-run "
+            "noise (try other --seed values)"
+        )
 
 
 def _logging(level: str) -> None:
