@@ -203,6 +203,8 @@ def test_killed_worker_costs_no_turn_and_comes_back(stack: LocalStack) -> None:
             rec = {w.name: w for w in await Registry(r, KEYS).list()}[victim]
             assert rec.role is Role.DECODE and rec.pid > 0
             ejections = await metric(s, stack.router_url, "prorsa_router_ejections_total")
+            retries = await metric(s, stack.router_url, "prorsa_router_retries_total")
+            inflight = f'prorsa_router_inflight{{phase="decode",role="decode",worker="{victim}"}}'
             results: list[Completion] = []
 
             async def turn(i: int) -> None:
@@ -212,11 +214,19 @@ def test_killed_worker_costs_no_turn_and_comes_back(stack: LocalStack) -> None:
                     p = p + results[-1].token_ids
 
             load = [asyncio.create_task(turn(i)) for i in range(8)]
-            await asyncio.sleep(1.5)
+            # Kill on evidence, not after a sleep: the router has decodes in flight there.
+            deadline = time.monotonic() + 120
+            while await metric(s, stack.router_url, inflight) < 1:
+                assert time.monotonic() < deadline, "no decode ever reached the victim"
+                assert not all(t.done() for t in load), "the load ended before the kill"
+                await asyncio.sleep(0.02)
             os.killpg(rec.pid, signal.SIGKILL)
             await asyncio.gather(*load)
             assert [c.status for c in results] == [200] * 24, [c.error for c in results]
             assert all(len(c.token_ids) == 48 for c in results)
+            # The turns that were on the victim were retried, and the lost connections plus a
+            # failed /health took it out of rotation at once.
+            assert await metric(s, stack.router_url, "prorsa_router_retries_total") > retries
             assert await metric(s, stack.router_url, "prorsa_router_ejections_total") > ejections
 
             deadline = time.monotonic() + 600

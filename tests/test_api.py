@@ -3,9 +3,11 @@ validated both by the models and by the CRD's schema."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import pytest
 import yaml
@@ -88,6 +90,35 @@ def crd_valid(spec: dict[str, Any]) -> bool:
         return False
 
 
+def _defaulted(node: dict[str, Any], value: Any) -> Any:
+    """What the API server hands CEL: schema defaults filled in, nested ones too, and every
+    `number` field a double (as Kubernetes types it, even when written as an integer)."""
+    if node.get("type") == "number" and isinstance(value, int):
+        return float(value)
+    if node.get("type") != "object" or not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for name, prop in (node.get("properties") or {}).items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+        if name in out:
+            out[name] = _defaulted(prop, out[name])
+    return out
+
+
+def cel_failures(spec: dict[str, Any]) -> list[str]:
+    """Messages of the CRD's CEL rules that refuse `spec`, evaluated as the API server does:
+    on the defaulted object (cel-python, a CEL implementation independent of ours)."""
+    schema = _schema()["properties"]["spec"]
+    env = celpy.Environment()
+    activation = {"self": celpy.json_to_cel(_defaulted(schema, spec))}
+    failed = []
+    for rule in schema["x-kubernetes-validations"]:
+        if not env.program(env.compile(rule["rule"])).evaluate(activation):
+            failed.append(rule["message"])
+    return failed
+
+
 GOOD = [
     {"model": {"name": "Qwen/Qwen3-8B"}},
     {
@@ -109,6 +140,7 @@ GOOD = [
 def test_good_specs_pass_models_and_schema(spec: dict[str, Any]) -> None:
     parse_spec(spec)
     assert crd_valid(spec)
+    assert cel_failures(spec) == []
 
 
 def test_defaults_come_from_the_policy_settings() -> None:
@@ -125,6 +157,8 @@ BAD_BOTH = [  # rejected by the schema (what kubectl apply sees) and by the mode
     ({"model": {"name": "m"}, "router": {"serviceType": "Ingress"}}, "serviceType"),
     ({"model": {"name": "m"}, "redis": {"url": "http://x"}}, "url"),
     ({"model": {"name": "m"}, "allocation": {"intervalSeconds": 0}}, "intervalSeconds"),
+    ({"model": {"name": "m"}, "allocation": {"minDecode": 0}}, "minDecode"),
+    ({"model": {"name": "m"}, "workers": {"engineArgs": ["--x"] * 129}}, "engineArgs"),
 ]
 BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refuse them
     ({"model": {"name": "m"}, "workers": {"replicas": 2},
@@ -133,6 +167,22 @@ BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refu
       "allocation": {"policy": "static", "staticPrefill": 4}}, "staticPrefill"),
     ({"model": {"name": "m"}, "redis": {"url": "redis://r:6379", "managed": True}},
      "exactly one"),
+    ({"model": {"name": "m"}, "allocation": {"horizonSeconds": 4}},
+     "horizonSeconds .*must be >= allocation.intervalSeconds"),
+    ({"model": {"name": "m"}, "allocation": {"horizonSeconds": 30, "intervalSeconds": 45}},
+     "horizonSeconds .*must be >= allocation.intervalSeconds"),
+    ({"model": {"name": "m"}, "workers": {"engineArgs": ["--port", "9000"]}},
+     "engineArgs must not set.*--port"),
+    ({"model": {"name": "m"}, "workers": {"engineArgs": ["--enforce-eager",
+      '--kv-transfer-config={"kv_connector":"X"}']}}, "engineArgs must not set.*--kv-transfer"),
+    ({"model": {"name": "m"}, "workers": {"engineArgs": ["--model=/other"]}},
+     "engineArgs must not set.*--model"),
+    ({"model": {"name": "m"}, "workers": {"replicas": 8},
+      "allocation": {"policy": "static", "staticPrefill": 1, "minPrefill": 2}},
+     "staticPrefill .*must lie within"),
+    ({"model": {"name": "m"}, "workers": {"replicas": 8},
+      "allocation": {"policy": "static", "staticPrefill": 6, "minDecode": 3}},
+     "staticPrefill .*must lie within"),
 ]  # fmt: skip
 
 
@@ -148,6 +198,9 @@ def test_cross_field_rules(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         RolloutClusterSpec.model_validate(spec)
     assert crd_valid(spec)  # only CEL catches these at the API server
+    failed = cel_failures(spec)
+    field = message.split(" ")[0]
+    assert failed and all(field in f for f in failed), failed
 
 
 def test_unknown_fields_are_refused_by_the_models() -> None:

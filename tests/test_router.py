@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
@@ -251,6 +253,64 @@ def test_an_unreachable_worker_is_ejected_then_probed(redis_url: str) -> None:
         assert 'prorsa_router_requests_total{code="503",kind="completions",path="none"}' in text
 
     _with_router(test, [dead], redis_url)
+
+
+async def _fake_worker(break_turns: bool, health: bool) -> tuple[TestServer, Endpoint]:
+    """An OpenAI-shaped worker; `break_turns` drops the connection of every turn without an
+    answer (what an engine killed mid-request does), `health` is what /health says."""
+
+    async def turn(request: web.Request) -> web.StreamResponse:
+        if break_turns:
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
+        usage = {"prompt_tokens": 2, "completion_tokens": 1}
+        return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}],
+                                  "usage": usage})  # fmt: skip
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(status=200 if health else 503)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", turn)
+    app.router.add_get("/health", healthz)
+    server = TestServer(app)
+    await server.start_server()
+    return server, Endpoint("", str(server.make_url("")).rstrip("/"), Role.MIXED)
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_connection_lost_mid_turn_ejects_only_a_worker_that_fails_health(alive: bool) -> None:
+    """A turn whose connection breaks is retried elsewhere at once; the worker is ejected on that
+    first failure when its /health does not answer either (a dead engine), and keeps serving
+    otherwise (a live engine that dropped one connection takes a strike)."""
+
+    async def main() -> None:
+        broken, ep_b = await _fake_worker(break_turns=True, health=alive)
+        good, ep_g = await _fake_worker(break_turns=False, health=True)
+        eps = [replace(ep_b, name="broken"), replace(ep_g, name="good")]
+        cfg = RouterConfig(KEYS, probe_interval_s=60, eject_s=60)
+        router = Router(cfg, StaticDiscovery(eps))
+        try:
+            async with TestClient(TestServer(router.app())) as client:
+                await asyncio.sleep(0.05)
+                for i in range(2):  # the router's placement may try either worker first
+                    body = {"model": "m", "prompt": "hi", "user": f"t{i}"}
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status == 200, await r.text()
+                w = router.pool.workers["broken"]
+                text = await (await client.get("/metrics")).text()
+                tried = 'prorsa_router_retries_total{reason="error"}' in text
+                assert tried, "no turn was placed on the broken worker"
+                assert w.ejected is (not alive)
+                ejected = 'prorsa_router_ejections_total{worker="broken"} 1.0' in text
+                assert ejected is (not alive)
+                assert not router.pool.workers["good"].ejected
+        finally:
+            await broken.close()
+            await good.close()
+
+    asyncio.run(main())
 
 
 def test_hints_become_lifecycle_events_on_the_stream(redis_url: str) -> None:

@@ -8,9 +8,9 @@ template) are kept as objects the API server validates against its own schemas.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prorsa.policy.allocate import AllocationSettings
 
@@ -50,18 +50,43 @@ class Resources(_Model):
     limits: dict[str, str] = Field(default_factory=dict, description="e.g. nvidia.com/gpu.")
 
 
+# Engine flags the operator (through `prorsa worker`) sets itself; a user value would either
+# be overridden silently or break the KV transfer and the probes.
+OPERATOR_ENGINE_FLAGS = ("--model", "--host", "--port", "--served-model-name",
+                         "--kv-transfer-config")  # fmt: skip
+
+
+def _owned_flag(arg: str) -> str | None:
+    flag = arg.split("=", 1)[0]
+    return flag if flag in OPERATOR_ENGINE_FLAGS else None
+
+
 class Workers(_Model):
     replicas: int = Field(default=2, ge=1, le=4096, description="Worker pods (one engine each).")
     gpusPerWorker: int = Field(default=1, ge=1, le=16, description="GPUs per worker pod.")
     image: str = Field(default=DEFAULT_WORKER_IMAGE, min_length=1,
                        description="vLLM worker image with prorsa installed.")  # fmt: skip
-    engineArgs: list[str] = Field(default_factory=list,
-                                  description="Extra vLLM engine arguments.")  # fmt: skip
+    engineArgs: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=128,
+        description="Extra vLLM engine arguments (not those the operator sets: "
+        + ", ".join(OPERATOR_ENGINE_FLAGS) + ").",
+    )  # fmt: skip
     port: int = Field(default=8000, ge=1, le=65535, description="vLLM HTTP port.")
     resources: Resources = Field(
         default_factory=Resources,
         description="Worker container resources; nvidia.com/gpu defaults to gpusPerWorker.",
     )
+
+    @field_validator("engineArgs")
+    @classmethod
+    def _not_owned(cls, args: list[str]) -> list[str]:
+        owned = [f for f in map(_owned_flag, args) if f]
+        if owned:
+            raise ValueError(f"workers.engineArgs must not set {', '.join(owned)}: the operator "
+                             "sets it (use model.name, model.servedName, workers.port, "
+                             "kvTransfer)")  # fmt: skip
+        return args
+
     nodeSelector: dict[str, str] = Field(default_factory=dict,
                                          description="Node labels the workers need.")  # fmt: skip
     tolerations: list[FreeForm] = Field(default_factory=list,
@@ -95,8 +120,9 @@ class Allocation(_Model):
             "is worth it)."
         ),
     )
-    minDecode: int = Field(default=_ALLOC.min_decode, ge=0,
-                           description="Decode workers always kept.")  # fmt: skip
+    minDecode: int = Field(default=_ALLOC.min_decode, ge=1,
+                           description="Decode workers always kept (at least one: a cluster "
+                           "without decode workers serves nothing).")  # fmt: skip
     horizonSeconds: float = Field(
         default=_ALLOC.horizon_s,
         gt=0,
@@ -135,6 +161,14 @@ class Allocation(_Model):
             "The allocator's model of one worker: GPU and model class of the simulator's "
             "datasheet cost model (prorsa simulate --preset). Pick the closest."))
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _horizon_covers_a_decision(self) -> Allocation:
+        if self.horizonSeconds < self.intervalSeconds:
+            raise ValueError(f"allocation.horizonSeconds ({self.horizonSeconds:g}) must be >= "
+                             f"allocation.intervalSeconds ({self.intervalSeconds:g}): the "
+                             "forecast must reach the next decision")  # fmt: skip
+        return self
 
     def settings(self) -> AllocationSettings:
         """The policy's own settings object (what the controller runs)."""
@@ -213,6 +247,14 @@ class RolloutClusterSpec(_Model):
         if a.staticPrefill is not None and a.staticPrefill >= n:
             raise ValueError(f"allocation.staticPrefill ({a.staticPrefill}) must leave a "
                              f"decode worker (< workers.replicas = {n})")  # fmt: skip
+        if (
+            a.policy == "static"
+            and a.staticPrefill is not None
+            and not (a.minPrefill <= a.staticPrefill <= n - a.minDecode)
+        ):
+            raise ValueError(f"allocation.staticPrefill ({a.staticPrefill}) must lie within "
+                             f"allocation.minPrefill ({a.minPrefill}) and workers.replicas - "
+                             f"allocation.minDecode ({n - a.minDecode})")  # fmt: skip
         return self
 
 
@@ -227,6 +269,28 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         "rule": "!has(self.allocation) || !has(self.allocation.staticPrefill) || "
         "!has(self.workers) || self.allocation.staticPrefill < self.workers.replicas",
         "message": "allocation.staticPrefill must leave a decode worker",
+    },
+    {
+        "rule": "!has(self.allocation) || !has(self.allocation.horizonSeconds) || "
+        "!has(self.allocation.intervalSeconds) || "
+        "self.allocation.horizonSeconds >= self.allocation.intervalSeconds",
+        "message": "allocation.horizonSeconds must be >= allocation.intervalSeconds",
+    },
+    {
+        "rule": "!has(self.allocation) || !has(self.allocation.staticPrefill) || "
+        "!has(self.allocation.policy) || self.allocation.policy != 'static' || "
+        "!has(self.workers) || (self.allocation.staticPrefill >= self.allocation.minPrefill && "
+        "self.allocation.staticPrefill <= self.workers.replicas - self.allocation.minDecode)",
+        "message": "allocation.staticPrefill must lie within allocation.minPrefill and "
+        "workers.replicas - allocation.minDecode",
+    },
+    {
+        "rule": "!has(self.workers) || !has(self.workers.engineArgs) || "
+        "self.workers.engineArgs.all(a, !"
+        + repr(list(OPERATOR_ENGINE_FLAGS)).replace(" ", "")
+        + ".exists(f, a == f || a.startsWith(f + '=')))",
+        "message": "workers.engineArgs must not set what the operator sets: "
+        + ", ".join(OPERATOR_ENGINE_FLAGS),
     },
     {
         "rule": "!has(self.redis) || (has(self.redis.url) != "

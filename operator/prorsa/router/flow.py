@@ -41,14 +41,18 @@ PREFILL_KV_PARAMS = {
 _RETRYABLE_STATUS = (502, 503, 504)  # the worker (not the request) is at fault
 _RETRY_BACKOFF_S = (0.1, 0.5, 1.0, 2.0)  # between attempts of one turn (~3.6 s in all)
 _STRIKES_TO_EJECT = 3  # consecutive transient failures that take a worker out of rotation
+_PROBE_AFTER_LOSS_S = 2.0  # /health timeout after a lost connection (vLLM answers in ~ms)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 class WorkerFailed(Exception):
-    def __init__(self, worker: Worker, reason: str, eject: bool) -> None:
+    def __init__(
+        self, worker: Worker, reason: str, eject: bool, connection_lost: bool = False
+    ) -> None:
         super().__init__(f"worker {worker.name}: {reason}")
         self.worker = worker
         self.eject = eject
+        self.connection_lost = connection_lost  # no HTTP answer at all (reset, timeout, EOF)
 
 
 class UpstreamRejected(Exception):
@@ -69,11 +73,12 @@ def _check(w: Worker, status: int, data: bytes) -> None:
 
 def _connection_failed(w: Worker, e: BaseException) -> WorkerFailed:
     """Nothing listening means the worker is gone: eject at once. Timeouts, resets and closed
-    keep-alive connections happen to live but busy workers too: retry, eject after strikes."""
+    keep-alive connections happen to live but busy workers too: the caller asks /health
+    before it ejects (`Flow._settle`)."""
     refused = isinstance(e, aiohttp.ClientConnectorError) and isinstance(
         e.os_error, ConnectionRefusedError
     )
-    return WorkerFailed(w, f"{type(e).__name__}: {e}", eject=refused)
+    return WorkerFailed(w, f"{type(e).__name__}: {e}", eject=refused, connection_lost=True)
 
 
 async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
@@ -153,7 +158,7 @@ class Flow:
                 log.warning("turn of %s failed on %s (attempt %d)", rec.traj, reason, attempt + 1)
                 self.metrics.retries.labels(reason="eject" if e.eject else "error").inc()
                 e.worker.strikes += 1
-                if e.eject or e.worker.strikes >= _STRIKES_TO_EJECT:
+                if await self._should_eject(e):
                     self._eject(e.worker)
                 avoid.add(e.worker.name)
                 self.trajectories.failed(rec)
@@ -163,6 +168,14 @@ class Flow:
         self.trajectories.failed(rec)
         self.metrics.finished(turn.kind, "none", 503, time.monotonic() - t0)
         raise ApiError(503, f"no worker could serve the request: {reason}", type_="unavailable")
+
+    async def _should_eject(self, e: WorkerFailed) -> bool:
+        """Refused connections and repeated failures eject. A connection that broke without an
+        answer (an engine killed mid-request resets its sockets) ejects when /health does not
+        answer either; a live but busy engine answers it and only takes a strike."""
+        if e.eject or e.worker.strikes >= _STRIKES_TO_EJECT:
+            return True
+        return e.connection_lost and not await probe(self.session, e.worker, _PROBE_AFTER_LOSS_S)
 
     def _eject(self, w: Worker) -> None:
         if not w.ejected:
