@@ -27,8 +27,8 @@ from prorsa.policy.allocate import (
 from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
-from prorsa.sim.costmodel import preset
 from prorsa.sim.engine import SimConfig, SimResult, Simulator
+from prorsa.sim.presets import preset
 from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
 
 

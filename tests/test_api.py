@@ -183,6 +183,8 @@ BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refu
     ({"model": {"name": "m"}, "workers": {"replicas": 8},
       "allocation": {"policy": "static", "staticPrefill": 6, "minDecode": 3}},
      "staticPrefill .*must lie within"),
+    ({"model": {"name": "m"}, "allocation": {"capacityModel": "h200-deepseek-v3"}},
+     "capacityModel .*gpusPerWorker"),
 ]  # fmt: skip
 
 
@@ -224,10 +226,13 @@ def test_every_capacity_model_is_a_simulator_preset_and_they_differ() -> None:
 
     from prorsa.api.models import Allocation
     from prorsa.kube.handlers import worker_capacity
-    from prorsa.sim.costmodel import PRESETS
+    from prorsa.sim.presets import PRESETS
 
     choices = typing.get_args(Allocation.model_fields["capacityModel"].annotation)
     assert set(choices) == set(PRESETS)
+    from prorsa.api.models import UNIT_GPUS
+
+    assert {k: unit for k, (_, _, unit) in PRESETS.items() if unit} == UNIT_GPUS
     h200 = worker_capacity(parse_spec({"model": {"name": "m"}}))
     h100_spec = {"model": {"name": "m"}, "allocation": {"capacityModel": "h100-dense-8b"}}
     h100 = worker_capacity(parse_spec(h100_spec))

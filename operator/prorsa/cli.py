@@ -15,8 +15,8 @@ from rich.table import Table
 
 from prorsa.policy.allocate import AllocationSettings
 from prorsa.sim.compare import ALL_POLICIES, Comparison, compare
-from prorsa.sim.costmodel import PRESETS, preset
 from prorsa.sim.engine import SimConfig
+from prorsa.sim.presets import PRESETS, preset
 from prorsa.sim.workload import WorkloadError, load_workload
 
 if TYPE_CHECKING:
@@ -64,7 +64,9 @@ def simulate(
     mode: Annotated[
         str, typer.Option(help="sync (one batch) or async (bounded concurrency)")
     ] = "sync",
-    gpus: Annotated[int, typer.Option(min=2, help="GPUs in the cluster, one worker each")] = 32,
+    gpus: Annotated[
+        int, typer.Option(min=2, help="GPUs in the cluster (one worker each, or units of G)")
+    ] = 32,
     policy: Annotated[str, typer.Option(help="comma-separated policies, or 'all'")] = "all",
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
     preset_name: Annotated[
@@ -74,7 +76,10 @@ def simulate(
         ),
     ] = "h200",
     switch_mode: Annotated[str, typer.Option(help="routing (drain only) or restart")] = "routing",
-    dp_attention: Annotated[bool, typer.Option(help="MoE DP-attention sync penalty")] = False,
+    gpus_per_worker: Annotated[
+        int,
+        typer.Option(min=0, help="expert-parallel presets: GPUs per engine unit (0: the preset's)"),
+    ] = 0,
     trajectories: Annotated[int, typer.Option(min=0, help="0: the workload's typical batch")] = 0,
     concurrency: Annotated[int, typer.Option(min=0, help="async: in flight (0: typical)")] = 0,
     static_prefill: Annotated[
@@ -91,7 +96,12 @@ def simulate(
     policies = _parse_policies(policy)
     try:
         spec = load_workload(workload)
-        cost = preset(preset_name, switch_mode, dp_attention)
+        cost = preset(preset_name, switch_mode, gpus_per_worker)
+        if gpus // cost.gpus_per_worker < 2:
+            raise ValueError(
+                f"--gpus {gpus} holds fewer than two {cost.gpus_per_worker}-GPU workers of "
+                f"{preset_name}; give at least {2 * cost.gpus_per_worker}"
+            )
     except (WorkloadError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None

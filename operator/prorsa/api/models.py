@@ -156,11 +156,14 @@ class Allocation(_Model):
         le=3600,
         description="A drain not finished by then is rolled back (the worker keeps its role).",
     )
-    capacityModel: Literal["h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b"] = (
-        Field(default="h200-dense-8b", description=(
-            "The allocator's model of one worker: GPU and model class of the simulator's "
-            "datasheet cost model (prorsa simulate --preset). Pick the closest."))
-    )  # fmt: skip
+    capacityModel: Literal[
+        "h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b",
+        "h200-deepseek-v3", "h100-deepseek-v3", "h200-qwen3-235b",
+    ] = Field(default="h200-dense-8b", description=(
+        "The allocator's model of one worker: GPU and model class of the simulator's "
+        "datasheet cost model (prorsa simulate --preset). Pick the closest; the expert-"
+        "parallel ones describe engine units and need workers.gpusPerWorker to match "
+        "(deepseek-v3: 8 on H200, 16 on H100; qwen3-235b: 8)."))  # fmt: skip
 
     @model_validator(mode="after")
     def _horizon_covers_a_decision(self) -> Allocation:
@@ -247,6 +250,11 @@ class RolloutClusterSpec(_Model):
         if a.staticPrefill is not None and a.staticPrefill >= n:
             raise ValueError(f"allocation.staticPrefill ({a.staticPrefill}) must leave a "
                              f"decode worker (< workers.replicas = {n})")  # fmt: skip
+        unit = UNIT_GPUS.get(a.capacityModel)
+        if unit is not None and self.workers.gpusPerWorker != unit:
+            raise ValueError(f"allocation.capacityModel {a.capacityModel} describes engine "
+                             f"units of {unit} GPUs: set workers.gpusPerWorker to {unit} "
+                             f"(not {self.workers.gpusPerWorker})")  # fmt: skip
         if (
             a.policy == "static"
             and a.staticPrefill is not None
@@ -257,6 +265,9 @@ class RolloutClusterSpec(_Model):
                              f"allocation.minDecode ({n - a.minDecode})")  # fmt: skip
         return self
 
+
+# GPUs per engine unit of the expert-parallel capacity models (the simulator's presets).
+UNIT_GPUS = {"h200-deepseek-v3": 8, "h100-deepseek-v3": 16, "h200-qwen3-235b": 8}
 
 # Cross-field rules the API server enforces (CEL), mirroring the validators above.
 SPEC_VALIDATIONS: list[dict[str, str]] = [
@@ -291,6 +302,16 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         + ".exists(f, a == f || a.startsWith(f + '=')))",
         "message": "workers.engineArgs must not set what the operator sets: "
         + ", ".join(OPERATOR_ENGINE_FLAGS),
+    },
+    {
+        "rule": "!has(self.allocation) || !has(self.allocation.capacityModel) || "
+        "!has(self.workers) || !has(self.workers.gpusPerWorker) || "
+        + " && ".join(
+            f"(self.allocation.capacityModel != '{k}' || self.workers.gpusPerWorker == {v})"
+            for k, v in UNIT_GPUS.items()
+        ),
+        "message": "allocation.capacityModel of engine units needs workers.gpusPerWorker to "
+        "match: " + ", ".join(f"{k} = {v}" for k, v in UNIT_GPUS.items()),
     },
     {
         "rule": "!has(self.redis) || (has(self.redis.url) != "

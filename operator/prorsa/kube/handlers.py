@@ -56,7 +56,7 @@ def worker_capacity(spec: RolloutClusterSpec) -> RoleCapacity:
     """The allocator's model of one GPU worker: the simulator's datasheet cost model for the
     spec's `allocation.capacityModel` and switch mode (not calibrated from the workers'
     own timings)."""
-    from prorsa.sim.costmodel import preset
+    from prorsa.sim.presets import preset
 
     model = preset(spec.allocation.capacityModel, switch_mode=spec.kvTransfer.switchMode)
     return model.role_capacity()

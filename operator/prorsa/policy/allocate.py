@@ -368,9 +368,9 @@ class PredictivePolicy(Policy):
                 lost += seqs * dt
                 carry = seqs
                 continue
-            busy = local / (d_eff * cap.prefill_tokens_per_s)
+            busy = local / (d_eff * cap.local_prefill_rate)
             if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
-                lost += (busy - 0.95) * d_eff * cap.prefill_tokens_per_s * dt / mean_req * dt
+                lost += (busy - 0.95) * d_eff * cap.local_prefill_rate * dt / mean_req * dt
                 busy = 0.95
             if seqs <= 0:
                 continue

@@ -17,6 +17,14 @@ class RoleCapacity:
     decode_s_per_kv_token: float  # per KV token read each step
     kv_capacity_tokens: float  # KV cache one worker holds
     switch_s: float = 0.0  # extra seconds a role switch costs beyond draining (restarts)
+    # Prefill tokens/s a decode worker gives up its decode time for when it prefills locally
+    # (0: as fast as a prefill worker). Lower on expert-parallel units, where one rank's
+    # chunk stalls every rank's decodes and costs the step its CUDA graphs.
+    local_prefill_tokens_per_s: float = 0.0
+
+    @property
+    def local_prefill_rate(self) -> float:
+        return self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         return (

@@ -8,20 +8,41 @@ simulator's ground truth.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from prorsa.policy.allocate import make_policy
+from prorsa.policy.placement import PlacementSettings
 from prorsa.sim.costmodel import Cost
 from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
 from prorsa.sim.oracle import oracle_forecast
+from prorsa.sim.presets import preset
 from prorsa.sim.workload import WorkloadSpec, generate
 
 ALL_POLICIES = ("colocated", "static", "reactive", "predictive", "oracle")
 
 Progress = Callable[[str, float], None]
+
+
+def batch_per_gpu(spec: WorkloadSpec, cost: Cost) -> int:
+    """Trajectories per GPU for `spec` on `cost`. A workload states its typical batch per GPU
+    for the reference deployment, the dense 8B model on one H200; a team sizing a rollout
+    batch for a model with less KV room per GPU keeps the batch in proportion to it."""
+    reference = preset("h200-dense-8b").kv_capacity_tokens
+    room = min(1.0, cost.kv_capacity_tokens / cost.gpus_per_worker / reference)
+    return max(1, round(spec.trajectories_per_gpu * room))
+
+
+def placement_for(cost: Cost, rules: PlacementSettings) -> PlacementSettings:
+    """Expert-parallel decode units never prefill while a prefill pool exists (DeepSeek's and
+    SGLang's PD deployments): one append stalls every rank of the unit. One-GPU workers keep
+    the router's rules (short appends to a held context stay local)."""
+    if cost.dp_ranks <= 1:
+        return rules
+    return replace(rules, local_prefill_max_tokens=0, remote_recompute_factor=math.inf)
 
 
 def run_policy(
@@ -33,7 +54,10 @@ def run_policy(
     label: str | None = None,
 ) -> SimResult:
     cfg = replace(
-        config, settings=replace(config.settings, policy=policy), per_gpu=spec.trajectories_per_gpu
+        config,
+        settings=replace(config.settings, policy=policy),
+        per_gpu=batch_per_gpu(spec, cost),
+        placement=placement_for(cost, config.placement),
     ).resolved()
     scripts = generate(spec, cfg.trajectories, cfg.seed)
     pol = make_policy(cfg.settings, cost.role_capacity())
@@ -48,11 +72,11 @@ def run_policy(
     return result
 
 
-def static_splits(gpus: int) -> list[int]:
-    """Prefill-worker counts a user might try: none (decode workers prefill locally), one,
-    two, then eighths of the cluster."""
-    eighths = {min(max(1, round(gpus * k / 8)), gpus - 1) for k in range(1, 8)}
-    return sorted({0, 1, min(2, gpus - 1)} | eighths)
+def static_splits(workers: int) -> list[int]:
+    """Prefill-worker (engine unit) counts a user might try: none (decode workers prefill
+    locally), one, two, then eighths of the cluster."""
+    eighths = {min(max(1, round(workers * k / 8)), workers - 1) for k in range(1, 8)}
+    return sorted({0, 1, min(2, workers - 1)} | eighths)
 
 
 def score(r: SimResult) -> float:
@@ -126,17 +150,18 @@ def compare(
     preset_name: str = "",
     progress: Progress | None = None,
 ) -> Comparison:
-    cfg = replace(config, per_gpu=spec.trajectories_per_gpu).resolved()
+    cfg = replace(config, per_gpu=batch_per_gpu(spec, cost)).resolved()
     results: dict[str, SimResult] = {}
     sweep: dict[int, SimResult] = {}
     for policy in policies:
         if policy == "static" and cfg.settings.static_prefill is None:
-            for p in static_splits(cfg.gpus):
+            units = cfg.workers(cost.gpus_per_worker)
+            for p in static_splits(units):
                 c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
                 sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
             best_p = min(sweep, key=lambda p: score(sweep[p]))
             best = sweep[best_p]
-            best.label = f"static {best_p}P:{cfg.gpus - best_p}D (best of {len(sweep)})"
+            best.label = f"static {best_p}P:{units - best_p}D (best of {len(sweep)})"
             results["static"] = best
         else:
             results[policy] = run_policy(cost, spec, cfg, policy, progress)

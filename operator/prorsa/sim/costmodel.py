@@ -5,71 +5,18 @@ over achievable FLOP/s. Decode is memory-bound: each step reads the weights once
 running sequence's KV cache. A colocated worker runs vLLM's chunked prefill: a step that holds
 a prefill chunk is as slow as the chunk, and every decode in the batch waits for it.
 
-All constants are in the two tables below, each with its source.
+The GPU and model tables are in `hardware`; the achievable fractions below, each with its
+source. Engine units of several GPUs with expert parallelism are `lockstep`'s.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from prorsa.policy.capacity import RoleCapacity
-
-
-@dataclass(frozen=True, slots=True)
-class Hardware:
-    name: str
-    peak_flops: float  # dense BF16 FLOP/s
-    hbm_bytes: float
-    hbm_bw: float  # bytes/s
-    link_bw: float  # bytes/s per GPU for KV transfer between workers
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    name: str
-    total_params: float
-    active_params: float  # per token (MoE: shared + top-k experts)
-    layers: int
-    q_dim: int  # attention heads x head dim
-    kv_bytes_per_token: float  # 2 (K,V) x layers x kv_heads x head_dim x 2 bytes
-    experts: int = 0
-    top_k: int = 0
-    restart_s: float = 30.0  # vLLM engine restart (weights from page cache, graph capture)
-
-    @property
-    def weight_bytes(self) -> float:
-        return self.total_params * 2.0  # BF16
-
-
-# Hardware datasheets (NVIDIA H100/H200 SXM): dense BF16 989 TFLOP/s; H100 80 GB HBM3 at
-# 3.35 TB/s, H200 141 GB HBM3e at 4.8 TB/s. KV transfer rides one 400 Gb/s ConnectX-7 NIC per
-# GPU (50 GB/s), the standard DGX H100/H200 network.
-HARDWARE = {
-    "h200": Hardware("H200 SXM", 989e12, 141e9, 4.8e12, 50e9),
-    "h100": Hardware("H100 SXM", 989e12, 80e9, 3.35e12, 50e9),
-}
-
-# Model configs from their published config.json: Llama-3.1-8B (32 layers, 32 heads, 8 KV
-# heads, head dim 128) and Qwen3-30B-A3B (48 layers, 32 heads, 4 KV heads, head dim 128,
-# 128 experts, top-8, 3.3B active).
-MODELS = {
-    "dense-8b": ModelSpec(
-        "Llama-3.1-8B", 8.03e9, 8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2, restart_s=30.0
-    ),
-    "moe-30b-a3b": ModelSpec(
-        "Qwen3-30B-A3B",
-        30.5e9,
-        3.3e9,
-        48,
-        4096,
-        2 * 48 * 4 * 128 * 2,
-        experts=128,
-        top_k=8,
-        restart_s=60.0,
-    ),
-}
+from prorsa.sim.hardware import Hardware, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +41,6 @@ class Efficiency:
     # Fraction of HBM vLLM may use (gpu_memory_utilization default) and activation reserve.
     gpu_mem_util: float = 0.9
     activation_reserve_bytes: float = 4e9
-    # DP-attention synchronisation: with data-parallel attention (MoE), every rank waits for
-    # the slowest each step, so a prefill chunk on one rank stalls all of them. Applied as a
-    # multiplier on colocated steps that hold a prefill chunk (1.0 = off).
-    dp_attention_penalty: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +51,14 @@ class CostModel:
     switch_mode: str = "routing"  # routing: drain only; restart: drain + engine restart
 
     # ---- sizes ----------------------------------------------------------------------------
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return 1
+
+    @property
+    def dp_ranks(self) -> int:
+        return 1
 
     @property
     def kv_capacity_tokens(self) -> float:
@@ -173,21 +124,26 @@ class CostModel:
             + self.eff.per_seq_overhead_s * batch
         )
 
-    def mixed_step_s(self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float) -> float:
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
+        """Prefill tokens a colocated step computes: the token budget left by the decodes."""
+        return max(min(self.eff.chunk_tokens - batch, queued), 16.0)
+
+    def mixed_step_s(
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
+    ) -> float:
         """A chunked-prefill step: `chunk` prefill tokens ride along with `batch` decodes.
 
         The linear layers of both share one weight read, but attention runs as separate
         kernels (compute-bound for the chunk, memory-bound for the decodes), so their times
         add: a decode step that carries a chunk is slower by the chunk's GEMMs and attention.
         """
-        step = (
+        return (
             self._gemm_s(batch + chunk)
             + self._attention_prefill_s(chunk, chunk_ctx)
             + self._attention_decode_s(kv_tokens)
             + self.eff.step_overhead_s
             + self.eff.per_seq_overhead_s * batch
         )
-        return step * self.eff.dp_attention_penalty if chunk > 0 and batch > 0 else step
 
     # ---- KV transfer -----------------------------------------------------------------------
 
@@ -213,30 +169,6 @@ class CostModel:
         )
 
 
-PRESETS = {
-    "h200-dense-8b": ("h200", "dense-8b"),
-    "h100-dense-8b": ("h100", "dense-8b"),
-    "h200-moe-30b": ("h200", "moe-30b-a3b"),
-    "h100-moe-30b": ("h100", "moe-30b-a3b"),
-}
-
-
-def preset(name: str, switch_mode: str = "routing", dp_attention: bool = False) -> CostModel:
-    """A named hardware+model pair; `h200` alone means the dense 8B model on H200."""
-    key = name if name in PRESETS else f"{name}-dense-8b"
-    if key not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    if switch_mode not in ("routing", "restart"):
-        raise ValueError(f"switch mode must be 'routing' or 'restart', not {switch_mode!r}")
-    hw, model = PRESETS[key]
-    eff = Efficiency()
-    if dp_attention:
-        eff = replace(eff, dp_attention_penalty=1.3)
-    cm = CostModel(HARDWARE[hw], MODELS[model], eff, switch_mode)
-    _ = cm.kv_capacity_tokens  # fail early when the model does not fit
-    return cm
-
-
 def lognormal_sigma(median: float, p99: float) -> float:
     """Log-space std of a log-normal with the given median and 99th percentile."""
     return math.log(p99 / median) / 2.3263478740408408
@@ -253,10 +185,15 @@ class Cost(Protocol):
     def kv_capacity_tokens(self) -> float: ...
     @property
     def restart_s(self) -> float: ...
+    @property
+    def gpus_per_worker(self) -> int: ...  # an engine unit's GPUs (one simulated worker)
+    @property
+    def dp_ranks(self) -> int: ...  # prefills a worker runs at once (DP attention ranks)
     def prefill_s(self, new_tokens: float, context: float) -> float: ...
     def decode_step_s(self, batch: float, kv_tokens: float) -> float: ...
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float: ...
     def mixed_step_s(
-        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
     ) -> float: ...
     def kv_transfer_s(self, tokens: float) -> float: ...
     def role_capacity(self) -> RoleCapacity: ...
@@ -292,7 +229,20 @@ class MeasuredCost:
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         return 0.0 if batch <= 0 else self.decode_base_s + self.decode_per_seq_s * batch
 
-    def mixed_step_s(self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float) -> float:
+    @property
+    def gpus_per_worker(self) -> int:
+        return 1
+
+    @property
+    def dp_ranks(self) -> int:
+        return 1
+
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
+        return max(min(self.eff.chunk_tokens - batch, queued), 16.0)
+
+    def mixed_step_s(
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
+    ) -> float:
         base = self.decode_step_s(batch, kv_tokens) if batch > 0 else self.prefill_fixed_s
         return base + chunk / self.prefill_tokens_per_s
 

@@ -63,6 +63,16 @@ class SimConfig:
     placement: PlacementSettings = field(default_factory=PlacementSettings)  # router rules
     max_sim_s: float = 7 * 24 * 3600.0
 
+    def workers(self, gpus_per_worker: int) -> int:
+        """Engine units of `gpus_per_worker` GPUs the cluster holds (what the policy splits)."""
+        n = self.gpus // gpus_per_worker
+        if n < 2:
+            raise ValueError(
+                f"{self.gpus} GPUs make {n} worker(s) of {gpus_per_worker} GPUs; the simulator "
+                "needs at least 2 (one per role)"
+            )
+        return n
+
     def resolved(self) -> SimConfig:
         if self.gpus < 2:
             raise ValueError("the simulator needs at least 2 GPUs (one per role)")
@@ -211,7 +221,7 @@ class Simulator:
         self.policy = policy or make_policy(self.settings, self.capacity)
         self.trajs = [TrajRun(i, s) for i, s in enumerate(scripts)]
         kv_cap = cost.kv_capacity_tokens
-        roles = self.policy.initial_roles(self.cfg.gpus)
+        roles = self.policy.initial_roles(self.cfg.workers(cost.gpus_per_worker))
         self.workers = [SimWorker(i, r, kv_cap) for i, r in enumerate(roles)]
         self._by_id = {w.id: w for w in self.workers}
         self.now = 0.0
@@ -491,12 +501,15 @@ class Simulator:
         if w.pq:
             job = w.pq[0]
             done = job.compute - job.remaining
+            jobs = len(w.pq)
             if b == 0:
-                w.p_rate = job.compute / max(cost.prefill_s(job.compute, job.ctx), _EPS)
+                # A unit's ranks prefill one job each: fewer jobs than ranks leave ranks idle.
+                busy = min(jobs, cost.dp_ranks) / cost.dp_ranks
+                w.p_rate = busy * job.compute / max(cost.prefill_s(job.compute, job.ctx), _EPS)
             else:
                 queued = job.remaining + w.queue_tokens - job.compute
-                chunk = max(min(cost.eff.chunk_tokens - b, queued), 16.0)
-                w.tau = cost.mixed_step_s(b, w.kv_running, chunk, job.ctx + done)
+                chunk = cost.mixed_chunk_tokens(b, queued, jobs)
+                w.tau = cost.mixed_step_s(b, w.kv_running, chunk, job.ctx + done, jobs)
                 w.p_rate = chunk / w.tau
             nxt = max(job.remaining, 0.0) / w.p_rate
         if b:

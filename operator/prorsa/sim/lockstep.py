@@ -1,0 +1,283 @@
+"""Cost model of one engine unit of G GPUs: data-parallel attention plus expert parallelism.
+
+The regime large MoE models are served in (DeepSeek, SGLang and vLLM wide-EP): each of the G
+ranks runs attention and the dense layers for its own requests; routed experts are spread over
+the ranks and every MoE layer dispatches tokens to their experts and combines the results
+(all-to-all). The ranks step in lockstep, so:
+
+- the unit's step is the slowest rank's, paid by every rank (an idle rank runs a dummy pass);
+- a step in which any rank prefills runs without CUDA graphs, without two-batch overlap and
+  with DeepEP's normal (bandwidth) kernels instead of its low-latency ones;
+- one prefill chunk on one rank therefore stalls the decodes of all G ranks.
+
+The simulator sees a unit as one worker: batch and KV are the unit's, spread evenly over its
+ranks (the DP scheduler balances requests); a prefill job runs on one rank and up to G jobs run
+at once. With G = 1 and no experts this is not used: `CostModel` is the one-GPU model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.sim.costmodel import Efficiency
+from prorsa.sim.hardware import Hardware, ModelSpec, low_latency_a2a_s, normal_a2a_bw
+
+
+@dataclass(frozen=True, slots=True)
+class EPEfficiency:
+    """Achievable fractions of the kernels an EP unit runs, each from its published figure."""
+
+    # FP8 GEMMs end to end, fitted to one published row: SGLang's prefill of DeepSeek-V3 on
+    # 96 H100 (EP32, 1K prompts, 57,674 input tok/s per node; `benchmarks/calibration.py`
+    # checks the other rows against it). 0.30 of the FP8 peak is well under DeepGEMM's kernel
+    # figure (1,350+ TFLOPS, 0.68): activation quantisation, routing, norms and the SMs the
+    # all-to-all kernels occupy are not modelled separately, and this fraction carries them.
+    gemm_eff: float = 0.30
+    # Prefill attention: FlashAttention-3 reaches 740 of 989 BF16 TFLOPS on H100 (75%).
+    prefill_attn_eff: float = 740.0 / 989.0
+    # Decode attention (FlashMLA, H800): 3,000 of 3,350 GB/s memory-bound, 580 of 989 TFLOPS
+    # compute-bound.
+    decode_attn_bw_eff: float = 3000.0 / 3350.0
+    decode_attn_flops_eff: float = 580.0 / 989.0
+    # Weight reads outside attention: ~85% of peak HBM bandwidth (as the one-GPU model).
+    bw_eff: float = 0.85
+    # Per step with CUDA graphs (vLLM V1 ~1-3 ms, as the one-GPU model) and per sequence.
+    graph_step_s: float = 0.002
+    per_seq_s: float = 20e-6
+    # Without CUDA graphs every kernel is launched from the host. Derived: ~20 kernels per
+    # layer (norms, projections, RoPE, attention, gate, top-k, dispatch, two grouped GEMMs,
+    # activation, combine, shared expert, residuals) at ~5 us launch latency each.
+    eager_launch_s_per_layer: float = 20 * 5e-6
+    # Two-batch overlap on all-decode steps, net gain by tokens per rank (SGLang large-scale EP
+    # blog: -27% at 32, break-even at 64-128, +25.5% at 256). Engines enable it where it helps,
+    # so the gain used is max(1, interpolated).
+    tbo_tokens: tuple[float, ...] = (32.0, 96.0, 256.0)
+    tbo_gain: tuple[float, ...] = (0.73, 1.0, 1.255)
+    # Tokens a rank computes per step. Prefill units: DeepSeek's profile runs 16K tokens per
+    # GPU. Colocated units: vLLM's max_num_batched_tokens on large GPUs (8192) per DP rank.
+    prefill_rank_tokens: int = 16384
+    mixed_rank_tokens: int = 8192
+    # Fraction of HBM for weights + KV (vLLM gpu_memory_utilization) and activation reserve.
+    gpu_mem_util: float = 0.9
+    activation_reserve_bytes: float = 4e9
+    # KV transfer between units: RDMA efficiency and per-transfer setup (as the one-GPU model).
+    link_eff: float = 0.8
+    transfer_setup_s: float = 0.002
+    prefill_overhead_s: float = 0.005  # per request: scheduling, first-token sampling
+
+
+def _tbo(e: EPEfficiency, tokens_per_rank: float) -> float:
+    xs, ys = e.tbo_tokens, e.tbo_gain
+    if tokens_per_rank <= xs[0]:
+        gain = ys[0]
+    elif tokens_per_rank >= xs[-1]:
+        gain = ys[-1]
+    else:
+        i = max(k for k in range(len(xs)) if xs[k] <= tokens_per_rank)
+        f = (tokens_per_rank - xs[i]) / (xs[i + 1] - xs[i])
+        gain = ys[i] + f * (ys[i + 1] - ys[i])
+    return max(1.0, gain)
+
+
+def expert_imbalance(model: ModelSpec, ranks: int, tokens: float) -> float:
+    """Max over mean of the token-expert pairs a rank computes in one step, with EPLB's
+    placement balancing the experts' average load: what is left is the sampling noise of one
+    batch (a multinomial over ranks; max of G ~ mean + sqrt(2 ln G) standard deviations).
+    Derived; the Waterfill/LPLB blog (lmsys, 2026) names this residual per-batch imbalance."""
+    if ranks <= 1 or tokens <= 0:
+        return 1.0
+    per_rank = tokens * model.top_k / ranks
+    return 1.0 + math.sqrt(2.0 * math.log(ranks)) / math.sqrt(max(per_rank, 1.0))
+
+
+@dataclass(frozen=True, slots=True)
+class LockstepCost:
+    """One engine unit of `gpus` GPUs (DP attention = EP = gpus) of `hw` serving `model`."""
+
+    hw: Hardware
+    model: ModelSpec
+    gpus: int
+    ep: EPEfficiency = EPEfficiency()
+    switch_mode: str = "routing"
+
+    # ---- what the simulator asks (the `Cost` protocol) --------------------------------------
+
+    @property
+    def eff(self) -> Efficiency:
+        """The engine reads the unit's per-step token budget from here."""
+        return Efficiency(chunk_tokens=self.gpus * self.ep.mixed_rank_tokens)
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.gpus
+
+    @property
+    def dp_ranks(self) -> int:
+        return self.gpus
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        m = self.model
+        per_gpu = self.hw.hbm_bytes * self.ep.gpu_mem_util - self.ep.activation_reserve_bytes
+        per_gpu -= (m.dense_params + m.routed_params / self.gpus) * m.weight_bytes_per_param
+        if per_gpu <= 0:
+            raise ValueError(f"{m.name} does not fit on {self.gpus} x {self.hw.name}")
+        return self.gpus * per_gpu / m.kv_bytes_per_token
+
+    @property
+    def restart_s(self) -> float:
+        return self.model.restart_s if self.switch_mode == "restart" else 0.0
+
+    def prefill_s(self, new_tokens: float, context: float) -> float:
+        """Seconds of the unit's time a prefill takes when its ranks are all prefilling (up to
+        G jobs at once, one rank each; a rank batches short prompts up to its token budget):
+        the rank's share of its steps for this job, over G."""
+        if new_tokens <= 0:
+            return self.ep.prefill_overhead_s
+        c = float(self.ep.prefill_rank_tokens)
+        if new_tokens <= c:  # n such prompts share one step
+            n = max(1.0, math.floor(c / new_tokens))
+            rank_s = self.prefill_step_s(new_tokens, context, self.gpus, prompts=n) / n
+        else:  # chunked: successive steps attend to what the earlier chunks computed
+            steps = math.ceil(new_tokens / c)
+            per = new_tokens / steps
+            rank_s = sum(
+                self.prefill_step_s(per, context + i * per, self.gpus) for i in range(steps)
+            )
+        return (rank_s + self.ep.prefill_overhead_s) / self.gpus
+
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.step_s(batch / self.gpus, kv_tokens / self.gpus, 0.0, 0.0, 0)
+
+    def mixed_step_s(
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
+    ) -> float:
+        ranks = max(1, min(self.gpus, jobs))
+        return self.step_s(
+            batch / self.gpus, kv_tokens / self.gpus, chunk / ranks, chunk_ctx, ranks
+        )
+
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
+        """Prefill tokens a colocated unit computes this step: one chunk per rank that holds a
+        job, within the rank's token budget after its own decodes."""
+        ranks = max(1, min(self.gpus, jobs))
+        room = max(self.ep.mixed_rank_tokens - batch / self.gpus, 16.0)
+        return max(min(ranks * room, queued), 16.0)
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        nbytes = tokens * self.model.kv_bytes_per_token
+        return self.ep.transfer_setup_s + nbytes / (self.hw.link_bw * self.ep.link_eff)
+
+    # ---- the lockstep step ----------------------------------------------------------------
+
+    def _rank_compute_s(
+        self, own_tokens: float, kv: float, chunk: float, chunk_ctx: float, unit_tokens: float
+    ) -> float:
+        """One rank's attention, dense layers and experts for one step."""
+        m, hw, e = self.model, self.hw, self.ep
+        fp8 = (hw.peak_fp8_flops or hw.peak_flops) * e.gemm_eff
+        bw = hw.hbm_bw * e.bw_eff
+        attn = 0.0
+        if kv > 0:
+            attn += max(
+                kv * m.kv_bytes_per_token / (hw.hbm_bw * e.decode_attn_bw_eff),
+                kv * m.attn_flops_decode / (hw.peak_flops * e.decode_attn_flops_eff),
+            )
+        if chunk > 0:
+            pairs = chunk * (chunk_ctx + chunk / 2.0)
+            attn += pairs * m.attn_flops_prefill / (hw.peak_flops * e.prefill_attn_eff)
+        wbytes = m.weight_bytes_per_param
+        dense = max(m.dense_params * wbytes / bw, 2.0 * m.dense_params * own_tokens / fp8)
+        pairs_here = unit_tokens * m.top_k / self.gpus
+        pairs_here *= expert_imbalance(m, self.gpus, unit_tokens)
+        local_experts = m.experts / self.gpus
+        touched = 1.0 if local_experts <= 1 else 1.0 - (1.0 - 1.0 / local_experts) ** pairs_here
+        expert_bytes = local_experts * touched * m.expert_params * m.moe_layers * wbytes
+        expert_flops = 2.0 * pairs_here * m.expert_params * m.moe_layers
+        experts = max(expert_bytes / bw, expert_flops / fp8)
+        return attn + dense + experts
+
+    def _a2a_s(self, tokens_per_rank: float, low_latency: bool) -> float:
+        m = self.model
+        if self.gpus <= 1 or tokens_per_rank <= 0:
+            return 0.0
+        if low_latency:
+            return m.moe_layers * low_latency_a2a_s(self.gpus, tokens_per_rank, m.hidden)
+        # FP8 dispatch (1 byte) and BF16 combine (2 bytes) of each token, once per peer that
+        # holds one of its experts: across nodes DeepEP sends once per node over RDMA and
+        # forwards over NVLink (its bandwidth figures count those RDMA bytes).
+        per_node = self.hw.gpus_per_node
+        peers = self.gpus if self.gpus <= per_node else self.gpus // per_node
+        peers = min(peers, m.max_nodes_per_token) if self.gpus > per_node else peers
+        hit = peers * (1.0 - (1.0 - 1.0 / peers) ** m.top_k)
+        remote = hit * (peers - 1) / peers
+        nbytes = tokens_per_rank * remote * m.hidden * 3.0
+        return m.moe_layers * nbytes / normal_a2a_bw(self.hw, self.gpus)
+
+    def step_s(
+        self,
+        rank_batch: float,
+        rank_kv: float,
+        chunk: float,
+        chunk_ctx: float,
+        ranks_prefilling: int,
+    ) -> float:
+        """The unit's step: the slowest rank (one holding a prefill chunk, if any), then the
+        all-to-all, then launch overheads; all-decode steps get graphs, TBO, low-latency EP."""
+        e = self.ep
+        unit_tokens = rank_batch * self.gpus + chunk * ranks_prefilling
+        slowest = self._rank_compute_s(rank_batch + chunk, rank_kv, chunk, chunk_ctx, unit_tokens)
+        if ranks_prefilling == 0 or chunk <= 0:
+            step = (slowest + self._a2a_s(rank_batch, low_latency=True)) / _tbo(e, rank_batch)
+            return step + e.graph_step_s + e.per_seq_s * rank_batch
+        a2a = self._a2a_s(rank_batch + chunk, low_latency=False)
+        eager = e.eager_launch_s_per_layer * self.model.layers
+        return slowest + a2a + eager + e.per_seq_s * rank_batch
+
+    def prefill_step_s(
+        self, chunk: float, chunk_ctx: float, ranks_prefilling: int, prompts: float = 1.0
+    ) -> float:
+        """A step of a prefill unit, each prefilling rank computing `prompts` prompts of `chunk`
+        tokens: two-batch overlap hides the all-to-all under compute when every rank agrees
+        on the mode (SGLang runs TBO only then)."""
+        tokens = chunk * prompts
+        unit_tokens = tokens * ranks_prefilling
+        compute = self._rank_compute_s(tokens, 0.0, 0.0, 0.0, unit_tokens)
+        pairs = prompts * chunk * (chunk_ctx + chunk / 2.0)
+        m, hw = self.model, self.hw
+        compute += pairs * m.attn_flops_prefill / (hw.peak_flops * self.ep.prefill_attn_eff)
+        a2a = self._a2a_s(tokens, low_latency=False)
+        overlap = ranks_prefilling >= self.gpus
+        step = max(compute, a2a) if overlap else compute + a2a
+        return step + self.ep.eager_launch_s_per_layer * self.model.layers
+
+    # ---- what the allocator needs ------------------------------------------------------------
+
+    def role_capacity(
+        self, typical_context: float = 8192.0, typical_new: float = 1024.0
+    ) -> RoleCapacity:
+        """The allocator's linearised view of one unit: prefill throughput at typical sizes;
+        decode step as base + per sequence + per KV token, fitted around a typical batch."""
+        per_req = self.prefill_s(typical_new, typical_context)
+        b0 = 64.0 * self.gpus
+        kv0 = b0 * typical_context
+        base = self.decode_step_s(1.0, 0.0)
+        per_seq = (self.decode_step_s(b0, 0.0) - base) / b0
+        per_kv = (self.decode_step_s(b0, kv0) - self.decode_step_s(b0, 0.0)) / kv0
+        # A decode unit prefilling one append locally: the decode time the step loses per
+        # prefill token (every rank waits for the chunk and the step runs without graphs).
+        append = typical_new
+        lost = self.mixed_step_s(b0, kv0, append, typical_context, 1) - self.decode_step_s(b0, kv0)
+        return RoleCapacity(
+            prefill_tokens_per_s=typical_new / per_req,
+            local_prefill_tokens_per_s=append / max(lost, 1e-9),
+            decode_base_step_s=base,
+            decode_s_per_seq=max(per_seq, 0.0),
+            decode_s_per_kv_token=max(per_kv, 0.0),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            switch_s=self.restart_s,
+        )

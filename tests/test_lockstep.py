@@ -1,0 +1,95 @@
+"""The expert-parallel unit: lockstep of DP-attention ranks, the mixed-step penalty, units in
+the simulator and the allocator, and the published configurations it is calibrated on."""
+
+from __future__ import annotations
+
+import pytest
+
+from prorsa.sim.calibration import ROWS
+from prorsa.sim.compare import placement_for, run_policy, static_splits
+from prorsa.sim.engine import SimConfig, Simulator
+from prorsa.sim.hardware import HARDWARE, MODELS, low_latency_a2a_s
+from prorsa.sim.lockstep import LockstepCost
+from prorsa.sim.presets import preset
+from prorsa.sim.workload import generate, load_workload
+
+DS = MODELS["deepseek-v3"]
+
+
+def _unit(gpus: int = 8) -> LockstepCost:
+    return LockstepCost(HARDWARE["h200"], DS, gpus)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if not r.open_question], ids=lambda r: r.name)
+def test_calibrated_rows_are_within_15_percent_of_the_published_figure(row: object) -> None:
+    assert abs(row.error_pct) <= 15.0, (row.name, row.published, row.simulated)  # type: ignore[attr-defined]
+
+
+def test_every_row_cites_a_source_and_open_rows_say_why() -> None:
+    assert len(ROWS) >= 7
+    for r in ROWS:
+        assert r.source and r.published > 0 and r.simulated > 0
+    assert all(len(r.open_question) > 20 for r in ROWS if r.open_question)
+
+
+def test_one_ranks_prefill_chunk_stalls_every_ranks_decode() -> None:
+    """Same decodes on every rank; a 1K-token append on one rank makes the whole unit's step
+    slower by far more than that chunk's share of the unit's work."""
+    u = _unit()
+    batch, kv = 8 * 32, 8 * 32 * 8192
+    decode = u.decode_step_s(batch, kv)
+    mixed = u.mixed_step_s(batch, kv, 1024, 8192, jobs=1)
+    alone = u.prefill_s(1024, 8192) * u.gpus  # that chunk on one rank of a prefill unit
+    assert mixed > decode + 0.5 * alone
+    assert mixed > 1.3 * decode  # graphs, TBO and low-latency kernels are lost too
+
+
+def test_the_step_is_the_slowest_ranks_and_idle_ranks_wait_for_it() -> None:
+    u = _unit()
+    # Four jobs on four ranks vs one rank doing the same chunk: the step is one rank's chunk,
+    # not four of them, and the unit computes four times the tokens in it.
+    one = u.mixed_step_s(64, 64 * 4096, 2048, 4096, jobs=1)
+    four = u.mixed_step_s(64, 64 * 4096, 4 * 2048, 4096, jobs=4)
+    assert four < 1.5 * one
+    assert u.mixed_chunk_tokens(64, 10**6, jobs=4) > 3 * u.mixed_chunk_tokens(64, 10**6, jobs=1)
+
+
+def test_all_to_all_follows_deepep_and_one_gpu_has_none() -> None:
+    assert low_latency_a2a_s(8, 128, 7168) == pytest.approx((77 + 114) * 1e-6)
+    assert low_latency_a2a_s(1, 128, 7168) == 0.0
+    assert low_latency_a2a_s(64, 256, 7168) == pytest.approx(2 * (173 + 314) * 1e-6)
+
+
+def test_a_unit_must_hold_the_weights_and_kv_grows_with_it() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        _ = LockstepCost(HARDWARE["h100"], DS, 8).kv_capacity_tokens
+    assert _unit(16).kv_capacity_tokens > 2 * _unit(8).kv_capacity_tokens
+
+
+def test_the_allocator_sees_local_prefill_on_an_ep_unit_as_expensive() -> None:
+    ep = preset("h200-deepseek-v3").role_capacity()
+    dense = preset("h200").role_capacity()
+    assert ep.local_prefill_rate < 0.5 * ep.prefill_tokens_per_s
+    assert dense.local_prefill_rate == dense.prefill_tokens_per_s
+
+
+def test_the_simulator_and_static_sweep_count_engine_units() -> None:
+    cost = preset("h200-deepseek-v3")
+    cfg = SimConfig(gpus=32, trajectories=24, seed=0)
+    spec = load_workload("math")
+    sim = Simulator(cost, generate(spec, 24, 0), cfg.resolved())
+    assert len(sim.workers) == 4  # 32 GPUs in units of 8
+    assert static_splits(4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="at least 2"):
+        SimConfig(gpus=8).workers(cost.gpus_per_worker)
+    r = run_policy(cost, spec, SimConfig(gpus=32, trajectories=24, seed=0), "static")
+    assert r.trajectories == 24
+    assert placement_for(cost, cfg.placement).local_prefill_max_tokens == 0
+
+
+def test_one_gpu_presets_are_unchanged_by_units() -> None:
+    cost = preset("h200")
+    assert cost.gpus_per_worker == 1 and cost.dp_ranks == 1
+    assert placement_for(cost, SimConfig(gpus=2).placement) == SimConfig(gpus=2).placement
+    with pytest.raises(ValueError, match="one-GPU model"):
+        preset("h200", gpus_per_worker=8)
