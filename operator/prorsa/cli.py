@@ -388,7 +388,7 @@ def controller(
     mode: Annotated[str, typer.Option(help="rollout mode: sync or async")] = "sync",
     static_prefill: Annotated[int | None, typer.Option(help="static: prefill workers")] = None,
     min_prefill: Annotated[int, typer.Option(min=0)] = _DEFAULTS.min_prefill,
-    min_decode: Annotated[int, typer.Option(min=0)] = _DEFAULTS.min_decode,
+    min_decode: Annotated[int, typer.Option(min=1)] = _DEFAULTS.min_decode,
     horizon: Annotated[float, typer.Option(min=1, help="forecast horizon, s")] = (
         _DEFAULTS.horizon_s
     ),
