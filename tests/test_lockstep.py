@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from prorsa.policy.allocate import Role
 from prorsa.sim.calibration import ROWS
 from prorsa.sim.compare import placement_for, run_policy, static_splits
 from prorsa.sim.engine import SimConfig, Simulator
 from prorsa.sim.hardware import HARDWARE, MODELS, low_latency_a2a_s
 from prorsa.sim.lockstep import LockstepCost
-from prorsa.sim.presets import preset
+from prorsa.sim.presets import preset, role_preset
 from prorsa.sim.workload import generate, load_workload
 
 DS = MODELS["deepseek-v3"]
@@ -93,3 +94,46 @@ def test_one_gpu_presets_are_unchanged_by_units() -> None:
     assert placement_for(cost, SimConfig(gpus=2).placement) == SimConfig(gpus=2).placement
     with pytest.raises(ValueError, match="one-GPU model"):
         preset("h200", gpus_per_worker=8)
+
+
+# ---- stage-specific parallelism ------------------------------------------------------------
+
+
+def test_roles_run_their_own_configuration_in_slots_of_the_larger_unit() -> None:
+    costs = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=32)
+    assert costs.staged and costs.slot_gpus(colocated=False) == 32
+    laid = costs.laid_out(colocated=False)
+    prefill, decode = laid.of(Role.PREFILL), laid.of(Role.DECODE)
+    assert prefill.gpus_per_worker == decode.gpus_per_worker == 32
+    # Four EP8 prefill engines in a slot prefill four times as fast as one.
+    one = costs.prefill.prefill_s(2048, 0)
+    assert prefill.prefill_s(2048, 0) == pytest.approx(one / 4)
+    # A 32-GPU decode engine holds more KV than four 8-GPU ones (weights spread wider).
+    assert decode.kv_capacity_tokens > 4 * costs.prefill.kv_capacity_tokens
+    # Switching between different configurations restarts the engines, even in routing mode.
+    assert costs.switch_s(Role.DECODE, Role.PREFILL) == MODELS["deepseek-v3"].restart_s
+    same = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=8)
+    assert not same.staged and same.switch_s(Role.DECODE, Role.PREFILL) == 0.0
+
+
+def test_the_allocator_prices_each_role_with_its_own_engines() -> None:
+    costs = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=32)
+    cap = costs.laid_out(colocated=False).role_capacity(colocated=False)
+    slot_prefill = costs.laid_out(colocated=False).prefill.role_capacity()
+    assert cap.prefill_tokens_per_s == pytest.approx(slot_prefill.prefill_tokens_per_s)
+    assert cap.kv_capacity_tokens == pytest.approx(costs.decode.kv_capacity_tokens)
+    assert cap.switch_s > 0
+
+
+def test_a_staged_cluster_simulates_and_a_bad_layout_is_refused() -> None:
+    costs = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=32)
+    spec = load_workload("math")
+    cfg = SimConfig(gpus=64, trajectories=32, seed=0)
+    r = run_policy(costs, spec, cfg, "static")
+    assert r.trajectories == 32
+    sim = Simulator(costs, generate(spec, 32, 0), cfg.resolved())
+    assert len(sim.workers) == 2  # 64 GPUs in 32-GPU slots
+    with pytest.raises(ValueError, match="divide"):
+        role_preset("h200-deepseek-v3", prefill_gpus=24, decode_gpus=32)
+    with pytest.raises(ValueError, match="one-GPU model"):
+        role_preset("h200", decode_gpus=8)

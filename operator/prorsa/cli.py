@@ -16,7 +16,7 @@ from rich.table import Table
 from prorsa.policy.allocate import AllocationSettings
 from prorsa.sim.compare import ALL_POLICIES, Comparison, compare
 from prorsa.sim.engine import SimConfig
-from prorsa.sim.presets import PRESETS, preset
+from prorsa.sim.presets import PRESETS, preset, role_preset
 from prorsa.sim.workload import WorkloadError, load_workload
 
 if TYPE_CHECKING:
@@ -76,9 +76,14 @@ def simulate(
         ),
     ] = "h200",
     switch_mode: Annotated[str, typer.Option(help="routing (drain only) or restart")] = "routing",
-    gpus_per_worker: Annotated[
-        int,
-        typer.Option(min=0, help="expert-parallel presets: GPUs per engine unit (0: the preset's)"),
+    prefill_gpus: Annotated[
+        int, typer.Option(min=0, help="expert-parallel presets: GPUs per prefill engine")
+    ] = 0,
+    decode_gpus: Annotated[
+        int, typer.Option(min=0, help="expert-parallel presets: GPUs per decode engine")
+    ] = 0,
+    colocated_gpus: Annotated[
+        int, typer.Option(min=0, help="expert-parallel presets: GPUs per colocated engine")
     ] = 0,
     trajectories: Annotated[int, typer.Option(min=0, help="0: the workload's typical batch")] = 0,
     concurrency: Annotated[int, typer.Option(min=0, help="async: in flight (0: typical)")] = 0,
@@ -96,11 +101,12 @@ def simulate(
     policies = _parse_policies(policy)
     try:
         spec = load_workload(workload)
-        cost = preset(preset_name, switch_mode, gpus_per_worker)
-        if gpus // cost.gpus_per_worker < 2:
+        cost = role_preset(preset_name, switch_mode, prefill_gpus, decode_gpus, colocated_gpus)
+        slot = max(cost.slot_gpus(colocated=False), cost.slot_gpus(colocated=True))
+        if gpus // slot < 2:
             raise ValueError(
-                f"--gpus {gpus} holds fewer than two {cost.gpus_per_worker}-GPU workers of "
-                f"{preset_name}; give at least {2 * cost.gpus_per_worker}"
+                f"--gpus {gpus} holds fewer than two {slot}-GPU workers of {preset_name}; "
+                f"give at least {2 * slot}"
             )
     except (WorkloadError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")

@@ -8,7 +8,6 @@ simulator's ground truth.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from prorsa.sim.costmodel import Cost
 from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
 from prorsa.sim.oracle import oracle_forecast
 from prorsa.sim.presets import preset
+from prorsa.sim.roles import RoleCosts, role_costs
 from prorsa.sim.workload import WorkloadSpec, generate
 
 ALL_POLICIES = ("colocated", "static", "reactive", "predictive", "oracle")
@@ -27,26 +27,29 @@ ALL_POLICIES = ("colocated", "static", "reactive", "predictive", "oracle")
 Progress = Callable[[str, float], None]
 
 
-def batch_per_gpu(spec: WorkloadSpec, cost: Cost) -> int:
+def batch_per_gpu(spec: WorkloadSpec, cost: Cost | RoleCosts) -> int:
     """Trajectories per GPU for `spec` on `cost`. A workload states its typical batch per GPU
     for the reference deployment, the dense 8B model on one H200; a team sizing a rollout
     batch for a model with less KV room per GPU keeps the batch in proportion to it."""
     reference = preset("h200-dense-8b").kv_capacity_tokens
-    room = min(1.0, cost.kv_capacity_tokens / cost.gpus_per_worker / reference)
+    d = role_costs(cost).decode
+    room = min(1.0, d.kv_capacity_tokens / d.gpus_per_worker / reference)
     return max(1, round(spec.trajectories_per_gpu * room))
 
 
-def placement_for(cost: Cost, rules: PlacementSettings) -> PlacementSettings:
-    """Expert-parallel decode units never prefill while a prefill pool exists (DeepSeek's and
-    SGLang's PD deployments): one append stalls every rank of the unit. One-GPU workers keep
-    the router's rules (short appends to a held context stay local)."""
-    if cost.dp_ranks <= 1:
+def placement_for(cost: Cost | RoleCosts, rules: PlacementSettings) -> PlacementSettings:
+    """The router's rules for the cost's workers. On expert-parallel units a local prefill
+    idles every rank of the decode unit for its duration, while a pool prefill that must
+    recompute the context occupies one rank of a prefill unit: so any append goes to the pool
+    unless the pool would compute more than G times the append (G = the unit's ranks)."""
+    ranks = role_costs(cost).decode.dp_ranks
+    if ranks <= 1:
         return rules
-    return replace(rules, local_prefill_max_tokens=0, remote_recompute_factor=math.inf)
+    return replace(rules, local_prefill_max_tokens=0, remote_recompute_factor=ranks)
 
 
 def run_policy(
-    cost: Cost,
+    cost: Cost | RoleCosts,
     spec: WorkloadSpec,
     config: SimConfig,
     policy: str,
@@ -60,7 +63,7 @@ def run_policy(
         placement=placement_for(cost, config.placement),
     ).resolved()
     scripts = generate(spec, cfg.trajectories, cfg.seed)
-    pol = make_policy(cfg.settings, cost.role_capacity())
+    pol = make_policy(cfg.settings, role_costs(cost).role_capacity(policy == "colocated"))
     name = label or policy
     sim = Simulator(
         cost, scripts, cfg, pol, progress=(lambda f: progress(name, f)) if progress else None
@@ -143,7 +146,7 @@ class Comparison:
 
 
 def compare(
-    cost: Cost,
+    cost: Cost | RoleCosts,
     spec: WorkloadSpec,
     config: SimConfig,
     policies: Sequence[str] = ALL_POLICIES,
@@ -155,7 +158,7 @@ def compare(
     sweep: dict[int, SimResult] = {}
     for policy in policies:
         if policy == "static" and cfg.settings.static_prefill is None:
-            units = cfg.workers(cost.gpus_per_worker)
+            units = cfg.workers(role_costs(cost).slot_gpus(colocated=False))
             for p in static_splits(units):
                 c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
                 sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")

@@ -39,6 +39,7 @@ from prorsa.policy.forecast import (
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
 from prorsa.policy.placement import PlacementSettings, pool_worthy, sheds_load, stays_local
 from prorsa.sim.costmodel import Cost
+from prorsa.sim.roles import RoleCosts, role_costs
 from prorsa.sim.workload import TrajectoryScript
 
 Mode = Literal["sync", "async"]
@@ -208,21 +209,24 @@ class SimResult:
 class Simulator:
     def __init__(
         self,
-        cost: Cost,
+        cost: Cost | RoleCosts,
         scripts: list[TrajectoryScript],
         config: SimConfig,
         policy: Policy | None = None,
         progress: Callable[[float], None] | None = None,
     ) -> None:
-        self.cost = cost
         self.cfg = config.resolved()
         self.settings = self.cfg.settings
-        self.capacity = cost.role_capacity()
+        colocated = (policy.name if policy else self.settings.policy) == "colocated"
+        self.costs = role_costs(cost).laid_out(colocated)
+        self.cost = self.costs.decode  # transfers and the switch mode are the decode side's
+        self.capacity = self.costs.role_capacity(colocated)
         self.policy = policy or make_policy(self.settings, self.capacity)
         self.trajs = [TrajRun(i, s) for i, s in enumerate(scripts)]
-        kv_cap = cost.kv_capacity_tokens
-        roles = self.policy.initial_roles(self.cfg.workers(cost.gpus_per_worker))
-        self.workers = [SimWorker(i, r, kv_cap) for i, r in enumerate(roles)]
+        roles = self.policy.initial_roles(self.cfg.workers(self.costs.slot_gpus(colocated)))
+        self.workers = [
+            SimWorker(i, r, self.costs.of(r).kv_capacity_tokens) for i, r in enumerate(roles)
+        ]
         self._by_id = {w.id: w for w in self.workers}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -342,7 +346,7 @@ class Simulator:
         job = PrefillJob(tr, compute, cached, local)
         self._advance(w)
         w.pq.append(job)
-        w.queue_s += self.cost.prefill_s(compute, cached)
+        w.queue_s += self.costs.of(w.role).prefill_s(compute, cached)
         w.queue_tokens += compute
         self._reschedule(w)
 
@@ -422,7 +426,7 @@ class Simulator:
         pool = [w for w in self._prefill_pool if w.role == Role.PREFILL]
         if not pool or not worthy:
             return local or self._place_decode(tr), True, worthy
-        cost = self.cost.prefill_s
+        cost = self.costs.prefill.prefill_s
 
         def remote_s(w: SimWorker) -> float:
             c = w.cached(tr.idx)
@@ -493,7 +497,7 @@ class Simulator:
     def _reschedule(self, w: SimWorker) -> None:
         w.version += 1
         b = w.count
-        cost = self.cost
+        cost = self.costs.of(w.role)
         nxt = math.inf
         if w.restarting:
             w.tau = w.p_rate = 0.0
@@ -529,7 +533,7 @@ class Simulator:
             self._after_decode(tr)
         while w.pq and w.pq[0].remaining <= _EPS:
             job = w.pq.popleft()
-            w.queue_s -= self.cost.prefill_s(job.compute, job.ctx)
+            w.queue_s -= self.costs.of(w.role).prefill_s(job.compute, job.ctx)
             w.queue_tokens -= job.compute
             if w.pq:
                 w.pq[0].started = self.now
@@ -644,11 +648,12 @@ class Simulator:
         self._advance(w)
         w.role_s[w.role] += self.now - w.role_since
         w.role_since = self.now
+        restart = self.costs.switch_s(old, w.target_role)
         w.role = w.target_role
+        w.kv_capacity = self.costs.of(w.role).kv_capacity_tokens
         w.draining = False
         w.target_role = None
         self._pools_dirty = True
-        restart = self.cost.restart_s
         if restart > 0:
             w.restarting = True
             w.cache.clear()

@@ -99,6 +99,10 @@ def _mla_kv_bytes(layers: int, kv_lora_rank: int, rope_dim: int) -> float:
 #   235B total / 22B active; served in FP8 (Qwen3-235B-A22B-FP8). Derived: one expert
 #   3 x 4096 x 1536 = 18.9M parameters; KV 2 x 94 x 4 x 128 x 2 bytes = 192,512 bytes/token;
 #   attention 4 x 64 x 128 x 94 FLOPs per pair (scores and values, GQA reads shared KV).
+# Engine restart of a multi-GPU unit (an estimate, derived, no published measurement): the FP8
+# weights of one node (DeepSeek-V3 ~790 GB over 8 GPUs, Qwen3-235B ~240 GB) read from local
+# NVMe at ~7 GB/s, plus CUDA-graph capture and kernel JIT warm-up of a few tens of seconds:
+# ~300 s and ~120 s.
 MODELS = {
     "dense-8b": ModelSpec(
         "Llama-3.1-8B", 8.03e9, 8.03e9, 32, 4096, 2 * 32 * 8 * 128 * 2, restart_s=30.0
@@ -123,7 +127,7 @@ MODELS = {
         _mla_kv_bytes(61, 512, 64),
         experts=256,
         top_k=8,
-        restart_s=600.0,
+        restart_s=300.0,
         moe_layers=58,
         hidden=7168,
         expert_params=3 * 7168 * 2048,
@@ -141,7 +145,7 @@ MODELS = {
         2 * 94 * 4 * 128 * 2,
         experts=128,
         top_k=8,
-        restart_s=300.0,
+        restart_s=120.0,
         moe_layers=94,
         hidden=4096,
         expert_params=3 * 4096 * 1536,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prorsa.sim.costmodel import Cost, CostModel, Efficiency
 from prorsa.sim.hardware import HARDWARE, MODELS
 from prorsa.sim.lockstep import LockstepCost
+from prorsa.sim.roles import RoleCosts
 
 # name: (hardware, model, GPUs per worker; 0 = the one-GPU model)
 PRESETS: dict[str, tuple[str, str, int]] = {
@@ -23,6 +24,44 @@ PRESETS: dict[str, tuple[str, str, int]] = {
     "h100-deepseek-v3": ("h100", "deepseek-v3", 16),
     "h200-qwen3-235b": ("h200", "qwen3-235b", 8),
 }
+
+
+# Stage-specific parallelism of the expert-parallel presets: GPUs per prefill, decode and
+# colocated engine. Prefill needs no more than the weights' unit (its throughput per GPU is
+# flat in EP size); decode gains KV room and fewer expert weights read per GPU from larger EP
+# (DeepSeek's production: prefill EP32, decode EP144 on 80 GB H800; here on 141 GB H200:
+# prefill EP8, decode EP32). A colocated cluster runs one configuration: the decode one.
+STAGES: dict[str, tuple[int, int, int]] = {
+    "h200-deepseek-v3": (8, 32, 32),
+    "h100-deepseek-v3": (16, 64, 64),
+    "h200-qwen3-235b": (8, 32, 32),
+}
+
+
+def role_preset(
+    name: str,
+    switch_mode: str = "routing",
+    prefill_gpus: int = 0,
+    decode_gpus: int = 0,
+    colocated_gpus: int = 0,
+) -> RoleCosts:
+    """Each role's engine configuration of a preset (0 = the preset's; one-GPU presets run
+    one configuration for all roles)."""
+    key = name if name in PRESETS else f"{name}-dense-8b"
+    if key not in STAGES:
+        if prefill_gpus or decode_gpus or colocated_gpus:
+            raise ValueError(f"{key} is a one-GPU model: per-role GPUs apply to expert-"
+                             f"parallel presets ({', '.join(STAGES)})")  # fmt: skip
+        return RoleCosts.single(preset(name, switch_mode))
+    p, d, c = STAGES[key]
+    p, d, c = prefill_gpus or p, decode_gpus or d, colocated_gpus or c
+    big, small = max(p, d), min(p, d)
+    if big % small:
+        raise ValueError(f"prefill and decode engines of {p} and {d} GPUs cannot share slots "
+                         "of one size: one must divide the other")  # fmt: skip
+    return RoleCosts(
+        preset(key, switch_mode, p), preset(key, switch_mode, d), preset(key, switch_mode, c)
+    )
 
 
 def preset(name: str, switch_mode: str = "routing", gpus_per_worker: int = 0) -> Cost:
