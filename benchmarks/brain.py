@@ -4,6 +4,7 @@ Prints figures, asserts nothing. Every ratio is against a baseline measured in t
 
     .venv/bin/python benchmarks/brain.py            # everything (~35 min on 2 cores)
     .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
+    .venv/bin/python benchmarks/brain.py --only moe     # DeepSeek-V3, 128 H200, EP units
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.engine import SimConfig, SimResult, Simulator
-from prorsa.sim.presets import preset
+from prorsa.sim.presets import preset, role_preset
 from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
 
 
-def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -> None:
-    cost = preset(preset_name)
-    print(f"## policies · {gpus} GPUs · {preset_name} · seed 0")
+def table(
+    workloads: list[str],
+    modes: list[str],
+    gpus: int,
+    preset_name: str,
+    prefix_pull: bool = False,
+    settings: AllocationSettings | None = None,
+) -> None:
+    cost = role_preset(preset_name)
+    what_if = " · what-if: prefix pull" if prefix_pull else ""
+    print(f"## policies · {gpus} GPUs · {preset_name} · seed 0{what_if}")
     print(
         "| workload | mode | colocated | best static | reactive | predictive | oracle |"
         " predictive vs colocated | vs best static | vs reactive | of oracle |"
@@ -45,7 +54,10 @@ def table(workloads: list[str], modes: list[str], gpus: int, preset_name: str) -
         spec = load_workload(wl)
         for mode in modes:
             t0 = time.perf_counter()
-            c = compare(cost, spec, SimConfig(gpus=gpus, mode=mode, seed=0))  # type: ignore[arg-type]
+            cfg = SimConfig(gpus=gpus, mode=mode, seed=0, prefix_pull=prefix_pull)  # type: ignore[arg-type]
+            if settings is not None:
+                cfg = replace(cfg, settings=settings)
+            c = compare(cost, spec, cfg)
             r = c.results
 
             def fmt(name: str, r: dict[str, SimResult] = r, mode: str = mode) -> str:
@@ -313,7 +325,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
         "--only",
-        choices=["table", "seeds", "noise", "decision", "bigsim", "headroom"],
+        choices=["table", "moe", "seeds", "noise", "decision", "bigsim", "headroom"],
         default=None,
     )
     ap.add_argument("--workloads", default=",".join(BUILTIN))
@@ -323,9 +335,18 @@ def main() -> None:
     ap.add_argument(
         "--seeds", type=int, default=4, help="seeds (--only seeds) or nudged runs (--only noise)"
     )
+    ap.add_argument("--prefix-pull", choices=["on", "off"], default=None,
+                    help="--only moe: one of the two tables (default: both)")  # fmt: skip
     a = ap.parse_args()
     if a.only in (None, "table"):
         table(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset)
+    if a.only in (None, "moe"):
+        # The expert-parallel regime: DeepSeek-V3 on 128 H200, prefill EP8 / decode EP32
+        # engines (colocated: EP32), with and without the prefix-pull what-if. A switch
+        # restarts the engines (~300 s), so the horizon covers three of them.
+        ep = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0)
+        for pull in (False, True) if a.prefix_pull is None else (a.prefix_pull == "on",):
+            table(a.workloads.split(","), ["sync"], 128, "h200-deepseek-v3", pull, ep)
     if a.only in (None, "seeds"):
         seed_spread(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
     if a.only in (None, "noise"):

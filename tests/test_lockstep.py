@@ -3,6 +3,8 @@ the simulator and the allocator, and the published configurations it is calibrat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from prorsa.policy.allocate import Role
@@ -137,3 +139,32 @@ def test_a_staged_cluster_simulates_and_a_bad_layout_is_refused() -> None:
         role_preset("h200-deepseek-v3", prefill_gpus=24, decode_gpus=32)
     with pytest.raises(ValueError, match="one-GPU model"):
         role_preset("h200", decode_gpus=8)
+
+
+def test_prefix_pull_what_if_computes_only_the_appends_on_the_pool() -> None:
+    """With prefix pull a pool prefill pulls what the trajectory's decode worker holds instead
+    of recomputing it: the same rollout computes far fewer prefill tokens."""
+    costs = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=8)
+    spec = load_workload("swe")
+    base = SimConfig(gpus=32, trajectories=48, seed=1)
+    base = replace(base, settings=replace(base.settings, static_prefill=2))
+    plain = run_policy(costs, spec, base, "static")
+    pulled = run_policy(costs, spec, replace(base, prefix_pull=True), "static")
+    assert plain.trajectories == pulled.trajectories == 48
+    assert pulled.prefill_tokens_computed < 0.7 * plain.prefill_tokens_computed
+
+
+def test_turn_latencies_show_the_mixed_step_stall() -> None:
+    """Colocated EP units pay a prefill on any rank in every rank's inter-token latency; the
+    same rollout with a prefill pool (prefix pull, so the pool computes only appends) decodes
+    with a lower ITL."""
+    costs = role_preset("h200-deepseek-v3", prefill_gpus=8, decode_gpus=8, colocated_gpus=8)
+    spec = load_workload("swe")
+    cfg = SimConfig(gpus=32, trajectories=48, seed=2, prefix_pull=True)
+    colocated = run_policy(costs, spec, cfg, "colocated")
+    pooled = run_policy(
+        costs, spec, replace(cfg, settings=replace(cfg.settings, static_prefill=1)), "static"
+    )
+    for r in (colocated, pooled):
+        assert 0 < r.ttft_s[0] <= r.ttft_s[1] and 0 < r.itl_s[0] <= r.itl_s[1]
+    assert pooled.itl_s[0] < colocated.itl_s[0]

@@ -85,6 +85,19 @@ def simulate(
     colocated_gpus: Annotated[
         int, typer.Option(min=0, help="expert-parallel presets: GPUs per colocated engine")
     ] = 0,
+    prefix_pull: Annotated[
+        bool,
+        typer.Option(
+            help="what-if: prefill workers pull a trajectory's prefix KV from its decode "
+            "worker instead of recomputing it (not in the real workers yet)"
+        ),
+    ] = False,
+    horizon: Annotated[
+        float, typer.Option(min=1, help="forecast horizon, seconds (allocation.horizonSeconds)")
+    ] = AllocationSettings().horizon_s,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="seconds between decisions (allocation.intervalSeconds)")
+    ] = AllocationSettings().interval_s,
     trajectories: Annotated[int, typer.Option(min=0, help="0: the workload's typical batch")] = 0,
     concurrency: Annotated[int, typer.Option(min=0, help="async: in flight (0: typical)")] = 0,
     static_prefill: Annotated[
@@ -111,7 +124,22 @@ def simulate(
     except (WorkloadError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    settings = replace(AllocationSettings(), static_prefill=static_prefill)
+    if horizon < interval:
+        err.print("[red]error:[/red] --horizon must be at least --interval")
+        raise typer.Exit(2)
+    settings = replace(
+        AllocationSettings(),
+        static_prefill=static_prefill,
+        horizon_s=horizon,
+        interval_s=interval,
+    )
+    switch_s = cost.laid_out(colocated=False).role_capacity(colocated=False).switch_s
+    if switch_s > 0 and horizon < 2 * switch_s:
+        err.print(
+            f"[yellow]note:[/yellow] a role switch costs {switch_s:.0f} s (engine restart) and "
+            f"the horizon is {horizon:.0f} s: switches rarely pay off within it; try "
+            f"--horizon {3 * switch_s:.0f} --interval {max(interval, 3 * switch_s / 60):.0f}"
+        )
     config = SimConfig(
         gpus=gpus,
         mode=mode,  # type: ignore[arg-type]
@@ -119,6 +147,7 @@ def simulate(
         concurrency=concurrency,
         seed=seed,
         settings=settings,
+        prefix_pull=prefix_pull,
     )
     with Progress(
         TextColumn("{task.description:<28}"),
@@ -163,6 +192,8 @@ def _print_table(c: Comparison) -> None:
     t.add_column("P util", justify="right")
     t.add_column("D util", justify="right")
     t.add_column("switches", justify="right")
+    t.add_column("TTFT p50/p99 s", justify="right")
+    t.add_column("ITL p50/p99 ms", justify="right")
     for name, r in c.results.items():
         main = f"{r.makespan_s:.0f}" if c.mode == "sync" else f"{r.throughput_traj_per_min:.1f}"
         speed = f"{c.speedup(name):.2f}x" if "colocated" in c.results else "-"
@@ -175,6 +206,8 @@ def _print_table(c: Comparison) -> None:
             f"{r.prefill_util:.0%}",
             f"{r.decode_util:.0%}",
             str(r.switches),
+            f"{r.ttft_s[0]:.2f}/{r.ttft_s[1]:.1f}",
+            f"{1e3 * r.itl_s[0]:.0f}/{1e3 * r.itl_s[1]:.0f}",
         )
     out = _out()
     out.print(t)

@@ -123,6 +123,10 @@ class Comparison:
                 "turns": r.turns,
                 "decisions": r.decisions,
                 "label": r.label,
+                "ttft_p50_s": r.ttft_s[0],
+                "ttft_p99_s": r.ttft_s[1],
+                "itl_p50_s": r.itl_s[0],
+                "itl_p99_s": r.itl_s[1],
             }
             if r.mode == "sync":
                 row["makespan_s"] = r.makespan_s

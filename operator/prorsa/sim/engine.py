@@ -45,7 +45,7 @@ from prorsa.sim.workload import TrajectoryScript
 Mode = Literal["sync", "async"]
 
 # Heap event kinds
-_WORKER, _KV_DONE, _TOOL_DONE, _ARRIVAL, _TICK, _SWITCH_DONE = range(6)
+_WORKER, _KV_DONE, _TOOL_DONE, _ARRIVAL, _TICK, _SWITCH_DONE, _PREFIX_PULLED = range(7)
 _EPS = 1e-6
 _REFRESH_S = 5.0  # re-evaluate a decode segment at least this often (its KV keeps growing)
 
@@ -62,6 +62,10 @@ class SimConfig:
     tool_events: bool = True  # clients send tool_start/tool_end hints through the router
     shadow_forecasters: tuple[str, ...] = ("last", "ewma", "lifecycle")
     placement: PlacementSettings = field(default_factory=PlacementSettings)  # router rules
+    # What-if: a prefill worker pulls the prefix KV a trajectory's decode worker holds (over
+    # the KV link) instead of recomputing it. The real workers cannot yet: vLLM's NIXL
+    # connector moves KV from prefill to decode only.
+    prefix_pull: bool = False
     max_sim_s: float = 7 * 24 * 3600.0
 
     def workers(self, gpus_per_worker: int) -> int:
@@ -91,10 +95,12 @@ class TrajRun:
         "gjoin",
         "idx",
         "in_decode",
+        "joined_at",
         "phase_t0",
         "prefill_home",
         "script",
         "started_at",
+        "submitted_at",
         "target",
         "tool_until",
         "turn",
@@ -114,6 +120,8 @@ class TrajRun:
         self.in_decode = -1  # worker decoding it, or -1
         self.tool_until = -1.0
         self.phase_t0 = 0.0  # when the current phase's request was sent (for event timings)
+        self.submitted_at = 0.0  # this turn's submission (its time to first token)
+        self.joined_at = 0.0  # this turn's first decode step (its inter-token latency)
         self.target = 0.0  # decode: the worker's G at which this sequence finishes
 
 
@@ -148,6 +156,7 @@ class SimWorker:
         self.gjoin_sum = 0.0
         self.pending: deque[TrajRun] = deque()
         self.incoming = 0
+        self.pulling = 0  # pool prefills waiting for their prefix KV (prefix-pull what-if)
         self.cache: OrderedDict[int, int] = OrderedDict()
         self.cache_total = 0
         self.homed = 0  # trajectories whose decode sticks to this worker
@@ -204,6 +213,10 @@ class SimResult:
     timeline: list[TimelinePoint]
     wall_s: float = 0.0
     label: str = ""
+    # Per turn: time to first token (queueing, prefill, KV transfer) and the mean inter-token
+    # latency of its decode, p50 and p99: where prefill interference shows.
+    ttft_s: tuple[float, float] = (0.0, 0.0)
+    itl_s: tuple[float, float] = (0.0, 0.0)
 
 
 class Simulator:
@@ -253,6 +266,8 @@ class Simulator:
         self.progress = progress
         self.admission_closed_at = math.inf
         self.completions: list[float] = []
+        self.ttfts: list[float] = []  # per turn: submission to first decode step
+        self.itls: list[float] = []  # per turn: decode seconds per output token
         self._pools_dirty = True
         self._prefill_pool: list[SimWorker] = []
         self._decode_pool: list[SimWorker] = []
@@ -311,6 +326,10 @@ class Simulator:
                 self._on_arrival(payload)
             elif kind == _TICK:
                 self._on_tick()
+            elif kind == _PREFIX_PULLED:
+                job, worker = payload
+                worker.pulling -= 1
+                self._enqueue_prefill(worker, job)
             elif kind == _SWITCH_DONE:
                 payload.restarting = False
                 self._pools_dirty = True
@@ -333,6 +352,8 @@ class Simulator:
         prompt = tr.context + turn.new_tokens
         w, local, worthy = self._place_prefill(tr, prompt, turn.new_tokens)
         cached = min(w.cached(tr.idx), prompt - 1)
+        pull = self._prefix_to_pull(tr, w, local, prompt)
+        cached += pull
         compute = max(prompt - cached, 1)
         self._emit(
             EventType.TURN_SUBMIT,
@@ -342,12 +363,26 @@ class Simulator:
             remote=worthy,
         )
         tr.context = prompt
-        tr.phase_t0 = self.now
+        tr.phase_t0 = tr.submitted_at = self.now
         job = PrefillJob(tr, compute, cached, local)
+        if pull:
+            w.pulling += 1
+            self._push(self.now + self.cost.kv_transfer_s(pull), _PREFIX_PULLED, (job, w))
+            return
+        self._enqueue_prefill(w, job)
+
+    def _prefix_to_pull(self, tr: TrajRun, w: SimWorker, local: bool, prompt: int) -> int:
+        """Prefix tokens a pool prefill pulls from the trajectory's decode worker (what-if)."""
+        if not self.cfg.prefix_pull or local or tr.decode_home < 0 or tr.decode_home == w.idx:
+            return 0
+        held = min(self.workers[tr.decode_home].cached(tr.idx), prompt - 1)
+        return max(held - min(w.cached(tr.idx), prompt - 1), 0)
+
+    def _enqueue_prefill(self, w: SimWorker, job: PrefillJob) -> None:
         self._advance(w)
         w.pq.append(job)
-        w.queue_s += self.costs.of(w.role).prefill_s(compute, cached)
-        w.queue_tokens += compute
+        w.queue_s += self.costs.of(w.role).prefill_s(job.compute, job.ctx)
+        w.queue_tokens += job.compute
         self._reschedule(w)
 
     def _on_tool_done(self, tr: TrajRun) -> None:
@@ -365,6 +400,8 @@ class Simulator:
         )
         self.turns_done += 1
         self.output_tokens += turn.output_tokens
+        if turn.output_tokens > 0:
+            self.itls.append((self.now - tr.joined_at) / turn.output_tokens)
         tr.turn += 1
         if tr.turn >= len(tr.script.turns):
             tr.ended_at = self.now
@@ -430,6 +467,8 @@ class Simulator:
 
         def remote_s(w: SimWorker) -> float:
             c = w.cached(tr.idx)
+            if self.cfg.prefix_pull and home is not None:
+                c = max(c, home.cached(tr.idx))
             return w.queue_s + cost(prompt - c, c)
 
         shortest = best = min(pool, key=lambda w: w.queue_s)
@@ -442,6 +481,8 @@ class Simulator:
             ):
                 best = ph
         compute = prompt - best.cached(tr.idx)
+        if self.cfg.prefix_pull and holds:
+            compute = new_tokens
         if stays_local(rules, holds, new_tokens, shortest.queue_s, compute):
             return local or self._place_decode(tr), True, worthy
         tr.prefill_home = best.idx
@@ -571,6 +612,8 @@ class Simulator:
         self._advance(w)
         turn = tr.script.turns[tr.turn]
         tr.dec_ctx = tr.context
+        tr.joined_at = self.now
+        self.ttfts.append(self.now - tr.submitted_at)
         tr.gjoin = w.G
         tr.in_decode = w.idx
         tr.target = w.G + turn.output_tokens
@@ -641,7 +684,7 @@ class Simulator:
         if not w.draining or w.target_role is None:
             return
         old = w.role
-        busy_prefill = bool(w.pq) and old in (Role.PREFILL, Role.MIXED)
+        busy_prefill = bool(w.pq or w.pulling) and old in (Role.PREFILL, Role.MIXED)
         busy_decode = (w.count or w.pending or w.incoming) and old in (Role.DECODE, Role.MIXED)
         if busy_prefill or busy_decode:
             return
@@ -789,4 +832,13 @@ class Simulator:
             timeline=self.timeline,
             wall_s=wall_s,
             label=self.policy.name,
+            ttft_s=_p50_p99(self.ttfts),
+            itl_s=_p50_p99(self.itls),
         )
+
+
+def _p50_p99(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return (0.0, 0.0)
+    v = sorted(xs)
+    return v[len(v) // 2], v[min(len(v) - 1, int(0.99 * len(v)))]

@@ -158,17 +158,17 @@ MODELS = {
 
 # DeepEP README, low-latency kernels on H800 + 400 Gb/s CX7, 128 tokens per rank, top-8, 7168
 # hidden (FP8 dispatch, BF16 combine): microseconds per MoE layer by EP size.
-_LL_EP = (8, 16, 32, 64, 128, 256)
+_LL_EP = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 _LL_DISPATCH_US = (77.0, 118.0, 155.0, 173.0, 192.0, 194.0)
 _LL_COMBINE_US = (114.0, 195.0, 273.0, 314.0, 369.0, 360.0)
 LL_TOKENS = 128.0
 LL_HIDDEN = 7168.0
 # DeepEP README, normal kernels (4,096 tokens): internode RDMA bandwidth by EP size.
-_NORMAL_EP = (16, 32, 64)
+_NORMAL_EP = (16.0, 32.0, 64.0)
 _NORMAL_RDMA_GBPS = (43.0, 58.0, 51.0)
 
 
-def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+def interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     """Piecewise-linear in x, clamped to the measured range."""
     if x <= xs[0]:
         return ys[0]
@@ -185,7 +185,7 @@ def low_latency_a2a_s(ep: int, tokens_per_rank: float, hidden: int) -> float:
     bound at that size (the README reports them near the link's bandwidth)."""
     if ep <= 1:
         return 0.0
-    us = _interp(_LL_EP, _LL_DISPATCH_US, ep) + _interp(_LL_EP, _LL_COMBINE_US, ep)
+    us = interp(_LL_EP, _LL_DISPATCH_US, ep) + interp(_LL_EP, _LL_COMBINE_US, ep)
     return us * 1e-6 * (tokens_per_rank / LL_TOKENS) * (hidden / LL_HIDDEN)
 
 
@@ -194,4 +194,4 @@ def normal_a2a_bw(hw: Hardware, ep: int) -> float:
     measured RDMA bandwidth across nodes."""
     if ep <= hw.gpus_per_node:
         return hw.nvlink_a2a_bw
-    return _interp(_NORMAL_EP, _NORMAL_RDMA_GBPS, ep) * 1e9
+    return interp(_NORMAL_EP, _NORMAL_RDMA_GBPS, ep) * 1e9

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from prorsa.policy.capacity import RoleCapacity
 from prorsa.sim.costmodel import Efficiency
-from prorsa.sim.hardware import Hardware, ModelSpec, low_latency_a2a_s, normal_a2a_bw
+from prorsa.sim.hardware import Hardware, ModelSpec, interp, low_latency_a2a_s, normal_a2a_bw
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +69,7 @@ class EPEfficiency:
 
 
 def _tbo(e: EPEfficiency, tokens_per_rank: float) -> float:
-    xs, ys = e.tbo_tokens, e.tbo_gain
-    if tokens_per_rank <= xs[0]:
-        gain = ys[0]
-    elif tokens_per_rank >= xs[-1]:
-        gain = ys[-1]
-    else:
-        i = max(k for k in range(len(xs)) if xs[k] <= tokens_per_rank)
-        f = (tokens_per_rank - xs[i]) / (xs[i + 1] - xs[i])
-        gain = ys[i] + f * (ys[i + 1] - ys[i])
-    return max(1.0, gain)
+    return max(1.0, interp(e.tbo_tokens, e.tbo_gain, tokens_per_rank))
 
 
 def expert_imbalance(model: ModelSpec, ranks: int, tokens: float) -> float:
