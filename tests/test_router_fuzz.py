@@ -41,19 +41,32 @@ async def _worker_turn(request: web.Request) -> web.StreamResponse:
     """What vLLM answers: 400 for what it would refuse, a (streamed) completion otherwise."""
     body = await request.json()
     if body.get("max_tokens", 1) > 4096:
-        err = {"error": {"message": "max_tokens too large", "type": "BadRequestError",
-                         "param": None, "code": 400}}  # fmt: skip
+        err = {
+            "error": {
+                "message": "max_tokens too large",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+        }
         return web.json_response(err, status=400)
     chat = request.path.endswith("chat/completions")
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
     choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
-    out: dict[str, Any] = {"choices": [choice], "usage": {"prompt_tokens": 3,
-                                                          "completion_tokens": 1}}  # fmt: skip
+    out: dict[str, Any] = {
+        "choices": [choice],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
     kv = body.get("kv_transfer_params") or {}
     if kv.get("do_remote_decode"):
-        out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                     "remote_engine_id": "e", "remote_block_ids": [1],
-                                     "remote_host": "127.0.0.1", "remote_port": 1}  # fmt: skip
+        out["kv_transfer_params"] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "e",
+            "remote_block_ids": [1],
+            "remote_host": "127.0.0.1",
+            "remote_port": 1,
+        }
     if not body.get("stream"):
         return web.json_response(out)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -124,8 +137,14 @@ def served(redis_server: RedisServer) -> Iterator[Served]:
     thread.start()
     assert ready.wait(10)
     Redis.from_url(redis_url).delete(KEYS.events)
-    s = Served(f"http://127.0.0.1:{state['port']}", "127.0.0.1", state["port"],
-               state["router"], loop, redis_url)  # fmt: skip
+    s = Served(
+        f"http://127.0.0.1:{state['port']}",
+        "127.0.0.1",
+        state["port"],
+        state["router"],
+        loop,
+        redis_url,
+    )
     time.sleep(0.1)  # discovery
     yield s
     loop.call_soon_threadsafe(stop.set)
@@ -138,8 +157,9 @@ def _post(
 ) -> tuple[int, Any]:
     conn = http.client.HTTPConnection(s.host, s.port, timeout=30)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                       **(headers or {})})  # fmt: skip
+        conn.request(
+            "POST", path, body=body, headers={"Content-Type": "application/json", **(headers or {})}
+        )
         r = conn.getresponse()
         raw = r.read()
         ctype = r.getheader("Content-Type") or ""
@@ -175,8 +195,19 @@ json_value = st.recursive(
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "stream", "temperature", "user",
-          "max_completion_tokens", "min_tokens", "stream_options"]  # fmt: skip
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "n",
+    "stream",
+    "temperature",
+    "user",
+    "max_completion_tokens",
+    "min_tokens",
+    "stream_options",
+]
 edge = st.sampled_from([0, -1, 1, 2**31, 2**63, 1e308, -0.0, "", "x" * 300, [], {}, None, True])
 
 
@@ -188,11 +219,17 @@ def openai_bodies(draw: st.DrawFn) -> tuple[bool, dict[str, Any]]:
     if chat:
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
     else:
-        body["prompt"] = draw(st.text(min_size=1, max_size=40)
-                              | st.lists(st.integers(0, 50000), min_size=1, max_size=8))  # fmt: skip
-    for name, value in (("max_tokens", st.integers(1, 6000)), ("stream", st.booleans()),
-                        ("n", st.integers(1, 2)), ("temperature", st.floats(0, 2)),
-                        ("user", st.text(min_size=1, max_size=40))):  # fmt: skip
+        body["prompt"] = draw(
+            st.text(min_size=1, max_size=40)
+            | st.lists(st.integers(0, 50000), min_size=1, max_size=8)
+        )
+    for name, value in (
+        ("max_tokens", st.integers(1, 6000)),
+        ("stream", st.booleans()),
+        ("n", st.integers(1, 2)),
+        ("temperature", st.floats(0, 2)),
+        ("user", st.text(min_size=1, max_size=40)),
+    ):
         if draw(st.booleans()):
             body[name] = draw(value)
     if draw(st.booleans()):
@@ -201,8 +238,9 @@ def openai_bodies(draw: st.DrawFn) -> tuple[bool, dict[str, Any]]:
     return chat, body
 
 
-SETTINGS = settings(max_examples=300, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+SETTINGS = settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @SETTINGS
@@ -233,7 +271,7 @@ def test_malformed_bytes_get_a_400(served: Served, raw: bytes) -> None:
         st.characters(blacklist_categories=["Cs", "Cc"], blacklist_characters="/?#%"),
         min_size=1,
         max_size=300,
-    ),  # fmt: skip
+    ),
     action=st.sampled_from(["tool_start", "tool_end", "end", "explode"]),
     body=st.none() | json_value,
 )
@@ -264,8 +302,10 @@ def test_slow_loris_uploads_do_not_stop_other_clients(served: Served) -> None:
     socks = []
     for _ in range(20):
         sk = socket.create_connection((served.host, served.port), timeout=5)
-        sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                   b"\r\nContent-Length: 100000\r\n\r\n{\"model\": \"m\", ")  # fmt: skip
+        sk.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b'\r\nContent-Length: 100000\r\n\r\n{"model": "m", '
+        )
         socks.append(sk)
     try:
         t0 = time.monotonic()
@@ -281,10 +321,18 @@ def test_slow_loris_uploads_do_not_stop_other_clients(served: Served) -> None:
 def test_clients_that_leave_mid_stream_leak_nothing(served: Served) -> None:
     for i in range(10):
         conn = http.client.HTTPConnection(served.host, served.port, timeout=30)
-        body = json.dumps({"model": "m", "prompt": f"stream {i}", "stream": True,
-                           "max_tokens": 16, "user": f"leaver-{i}"})  # fmt: skip
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = json.dumps(
+            {
+                "model": "m",
+                "prompt": f"stream {i}",
+                "stream": True,
+                "max_tokens": 16,
+                "user": f"leaver-{i}",
+            }
+        )
+        conn.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+        )
         r = conn.getresponse()
         assert r.status == 200
         r.read(20)  # the first bytes of the stream, then gone
