@@ -62,6 +62,8 @@ def test_a_valid_turn_keeps_its_body_and_finds_its_trajectory() -> None:
         ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
         ({"model": "m", "prompt": "x", "user": 5}, "user"),
+        # found by the fuzz: a 500 from dict(-1) in the streaming path
+        ({"model": "m", "prompt": "x", "stream": True, "stream_options": -1}, "stream_options"),
     ],
 )
 def test_bad_completions_requests_name_the_parameter(body: dict[str, Any], param: str) -> None:

@@ -84,6 +84,8 @@ def _check_optional(body: dict[str, Any]) -> None:
             raise ApiError(400, f"'{name}' must be a number", name)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be a boolean", "stream")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
     if "user" in body and not isinstance(body["user"], str):
         raise ApiError(400, "'user' must be a string", "user")
 
