@@ -16,13 +16,14 @@ from typing import Any
 from prorsa.policy.allocate import make_policy
 from prorsa.policy.placement import PlacementSettings
 from prorsa.sim.costmodel import Cost
-from prorsa.sim.engine import Mode, SimConfig, SimResult, Simulator
+from prorsa.sim.engine import Mode, SimConfig, SimResult, SimulationTooLong, Simulator
 from prorsa.sim.oracle import oracle_forecast
 from prorsa.sim.presets import preset
 from prorsa.sim.roles import RoleCosts, role_costs
 from prorsa.sim.workload import WorkloadSpec, generate
 
 ALL_POLICIES = ("colocated", "static", "reactive", "predictive", "oracle")
+_SWEEP_CUTOFF = 3.0  # sync sweep: stop a static split at this multiple of the best makespan
 
 Progress = Callable[[str, float], None]
 
@@ -163,12 +164,19 @@ def compare(
     for policy in policies:
         if policy == "static" and cfg.settings.static_prefill is None:
             units = cfg.workers(role_costs(cost).slot_gpus(colocated=False))
-            for p in static_splits(units):
+            splits = static_splits(units)
+            for p in splits:
                 c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
-                sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
+                if sweep and cfg.mode == "sync":  # a split far behind the best is cut short
+                    bound = _SWEEP_CUTOFF * min(r.makespan_s for r in sweep.values())
+                    c = replace(c, max_sim_s=min(c.max_sim_s, bound))
+                try:
+                    sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
+                except SimulationTooLong:
+                    continue
             best_p = min(sweep, key=lambda p: score(sweep[p]))
             best = sweep[best_p]
-            best.label = f"static {best_p}P:{units - best_p}D (best of {len(sweep)})"
+            best.label = f"static {best_p}P:{units - best_p}D (best of {len(splits)})"
             results["static"] = best
         else:
             results[policy] = run_policy(cost, spec, cfg, policy, progress)

@@ -50,6 +50,10 @@ _EPS = 1e-6
 _REFRESH_S = 5.0  # re-evaluate a decode segment at least this often (its KV keeps growing)
 
 
+class SimulationTooLong(RuntimeError):
+    """The rollout did not finish within `SimConfig.max_sim_s` simulated seconds."""
+
+
 @dataclass
 class SimConfig:
     gpus: int
@@ -309,7 +313,9 @@ class Simulator:
         while self._heap and self.done < total:
             t, _, kind, payload = heapq.heappop(self._heap)
             if t > cfg.max_sim_s:
-                raise RuntimeError(f"simulation exceeded {cfg.max_sim_s:.0f} simulated seconds")
+                raise SimulationTooLong(
+                    f"simulation exceeded {cfg.max_sim_s:.0f} simulated seconds"
+                )
             self.now = t
             if kind == _WORKER:
                 worker, version = payload
