@@ -440,6 +440,9 @@ def controller(
     max_switches: Annotated[int, typer.Option(min=1, help="switches per decision")] = (
         _DEFAULTS.max_switches_per_decision
     ),
+    min_evidence: Annotated[
+        int, typer.Option(min=0, help="predictive: decodes seen before trusting a forecast")
+    ] = _DEFAULTS.min_evidence,
     drain_timeout: Annotated[float, typer.Option(min=1, help="roll a switch back after")] = 120.0,
     switch_mode: Annotated[str, typer.Option(help="the workers' mode: routing or restart")] = (
         "routing"
@@ -480,6 +483,7 @@ def controller(
             interval_s=interval,
             cooldown_s=cooldown,
             max_switches_per_decision=max_switches,
+            min_evidence=min_evidence,
         )
         role_capacity = preset(capacity).role_capacity()
         from prorsa.policy.allocate import make_policy

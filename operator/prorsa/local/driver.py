@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -57,6 +58,8 @@ class DriveResult:
     turns_failed: int = 0
     completion_s: list[float] = field(default_factory=list)  # per finished trajectory
     errors: list[str] = field(default_factory=list)
+    retries: int = 0  # turns sent again because the router could not be reached
+    turns_by_trajectory: dict[str, int] = field(default_factory=dict)  # completed turns
 
 
 @dataclass
@@ -77,8 +80,13 @@ async def drive(
     concurrency: int = 0,
     on_progress: Callable[[Progress], None] | None = None,
     prefix: str = "",
+    retry_s: float = 0.0,
 ) -> DriveResult:
-    """Run every script; `concurrency` 0 starts them all at once (sync rollout)."""
+    """Run every script; `concurrency` 0 starts them all at once (sync rollout).
+
+    `retry_s` > 0: a turn the router did not answer at all (connection refused or dropped,
+    503 while it has no worker) is sent again for up to that long, as an agent loop behind a
+    restarting endpoint would; a refusal of the request itself is never retried."""
     result = DriveResult()
     prog = Progress(sum(len(s.turns) for s in scripts), len(scripts))
     gate = asyncio.Semaphore(concurrency or len(scripts))
@@ -101,27 +109,33 @@ async def drive(
                     "ignore_eos": True,
                     "return_token_ids": True,
                 }
+                deadline = time.monotonic() + retry_s
                 try:
-                    async with s.post(f"{router_url}/v1/completions", json=body,
-                                      headers={"X-Prorsa-Trajectory": traj}) as r:  # fmt: skip
-                        data = await r.json(content_type=None)
-                        if r.status != 200:
-                            raise RuntimeError(f"HTTP {r.status}: {data}")
-                        context = context + list(data["choices"][0]["token_ids"] or [])
+                    while True:
+                        try:
+                            data = await _complete(s, router_url, body, traj)
+                            break
+                        except _Unreachable:
+                            if time.monotonic() >= deadline:
+                                raise
+                            result.retries += 1
+                            await asyncio.sleep(0.5)
+                    context = context + list(data["choices"][0]["token_ids"] or [])
                 except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError) as e:
                     result.turns_failed += 1
                     prog.failed += 1
                     result.errors.append(f"{traj} turn {i}: {e}"[:300])
                     break
                 result.turns_ok += 1
+                result.turns_by_trajectory[traj] = result.turns_by_trajectory.get(traj, 0) + 1
                 prog.turns_done += 1
                 if on_progress:
                     on_progress(prog)
                 if turn.tool_s > 0:
-                    await s.post(f"{hints}/tool_start", json={"expected_seconds": turn.tool_s})
+                    await _hint(s, f"{hints}/tool_start", {"expected_seconds": turn.tool_s})
                     await asyncio.sleep(turn.tool_s)
-                    await s.post(f"{hints}/tool_end")
-            await s.post(f"{hints}/end", json={"reason": "done"})
+                    await _hint(s, f"{hints}/tool_end")
+            await _hint(s, f"{hints}/end", {"reason": "done"})
             result.completion_s.append(time.monotonic() - started)
             prog.trajectories_done += 1
             if on_progress:
@@ -132,3 +146,32 @@ async def drive(
         await asyncio.gather(*(one(s, sc) for sc in scripts))
     result.makespan_s = time.monotonic() - t0
     return result
+
+
+class _Unreachable(RuntimeError):
+    """The router gave no answer to the request itself (down, restarting, or no worker)."""
+
+
+async def _complete(
+    s: aiohttp.ClientSession, router_url: str, body: dict[str, object], traj: str
+) -> dict[str, Any]:
+    try:
+        async with s.post(f"{router_url}/v1/completions", json=body,
+                          headers={"X-Prorsa-Trajectory": traj}) as r:  # fmt: skip
+            data = await r.json(content_type=None)
+            if r.status == 503:
+                raise _Unreachable(f"HTTP 503: {data}")
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {data}")
+            return data  # type: ignore[no-any-return]
+    except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError) as e:
+        raise _Unreachable(f"{type(e).__name__}: {e}") from e
+
+
+async def _hint(s: aiohttp.ClientSession, url: str, body: dict[str, object] | None = None) -> None:
+    """Tool and end hints are best effort: a router that is away misses one, nothing fails."""
+    try:
+        async with s.post(url, json=body) as r:
+            await r.read()
+    except (aiohttp.ClientError, TimeoutError):
+        pass

@@ -101,8 +101,9 @@ class LocalStack:
         return handle
 
     def start_router(self) -> Child:
+        """Start the router; a restart keeps its port (clients keep their endpoint)."""
         c = self.cfg
-        self.router_port = free_port()
+        self.router_port = self.router_port or free_port()
         argv = [
             *_prorsa(), "router", "--host", "127.0.0.1", "--port", str(self.router_port),
             "--cluster", self._cluster_ref(), "--redis-url", c.redis_url,
