@@ -63,6 +63,8 @@ def run_policy(
         per_gpu=batch_per_gpu(spec, cost),
         placement=placement_for(cost, config.placement),
     ).resolved()
+    if policy != "predictive":  # forecast errors are reported for the predictive run only
+        cfg = replace(cfg, shadow_forecasters=())
     scripts = generate(spec, cfg.trajectories, cfg.seed)
     pol = make_policy(cfg.settings, role_costs(cost).role_capacity(policy == "colocated"))
     name = label or policy
