@@ -18,7 +18,7 @@ at once. With G = 1 and no experts this is not used: `CostModel` is the one-GPU 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prorsa.policy.capacity import RoleCapacity
 from prorsa.sim.costmodel import Efficiency
@@ -84,6 +84,56 @@ def expert_imbalance(model: ModelSpec, ranks: int, tokens: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class _Rates:
+    """Per-unit constants of the step model, derived once from the tables (the simulator
+    asks for ~10^5 steps per run)."""
+
+    attn_decode_s_per_kv: float  # memory- or compute-bound, whichever binds (both linear)
+    attn_prefill_s_per_pair: float
+    dense_read_s: float
+    dense_s_per_token: float
+    local_experts: float
+    expert_read_s: float  # every local expert of every MoE layer read once
+    expert_s_per_pair: float
+    imbalance_z: float  # sqrt(2 ln G)
+    ll_a2a_s_per_token: float
+    normal_a2a_s_per_token: float
+    eager_s: float
+
+
+def _rates(hw: Hardware, m: ModelSpec, g: int, e: EPEfficiency) -> _Rates:
+    fp8 = (hw.peak_fp8_flops or hw.peak_flops) * e.gemm_eff
+    bw = hw.hbm_bw * e.bw_eff
+    wbytes = m.weight_bytes_per_param
+    normal = 0.0
+    if g > 1:
+        # FP8 dispatch (1 byte) and BF16 combine (2 bytes) of each token, once per peer that
+        # holds one of its experts: across nodes DeepEP sends once per node over RDMA and
+        # forwards over NVLink (its bandwidth figures count those RDMA bytes).
+        per_node = hw.gpus_per_node
+        peers = g if g <= per_node else min(g // per_node, m.max_nodes_per_token)
+        hit = peers * (1.0 - (1.0 - 1.0 / peers) ** m.top_k)
+        remote = hit * (peers - 1) / peers
+        normal = m.moe_layers * remote * m.hidden * 3.0 / normal_a2a_bw(hw, g)
+    return _Rates(
+        attn_decode_s_per_kv=max(
+            m.kv_bytes_per_token / (hw.hbm_bw * e.decode_attn_bw_eff),
+            m.attn_flops_decode / (hw.peak_flops * e.decode_attn_flops_eff),
+        ),
+        attn_prefill_s_per_pair=m.attn_flops_prefill / (hw.peak_flops * e.prefill_attn_eff),
+        dense_read_s=m.dense_params * wbytes / bw,
+        dense_s_per_token=2.0 * m.dense_params / fp8,
+        local_experts=m.experts / g,
+        expert_read_s=(m.experts / g) * m.expert_params * m.moe_layers * wbytes / bw,
+        expert_s_per_pair=2.0 * m.expert_params * m.moe_layers / fp8,
+        imbalance_z=math.sqrt(2.0 * math.log(g)) if g > 1 else 0.0,
+        ll_a2a_s_per_token=m.moe_layers * low_latency_a2a_s(g, 1.0, m.hidden) if g > 1 else 0.0,
+        normal_a2a_s_per_token=normal,
+        eager_s=e.eager_launch_s_per_layer * m.layers,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LockstepCost:
     """One engine unit of `gpus` GPUs (DP attention = EP = gpus) of `hw` serving `model`."""
 
@@ -92,6 +142,10 @@ class LockstepCost:
     gpus: int
     ep: EPEfficiency = EPEfficiency()
     switch_mode: str = "routing"
+    _k: _Rates = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_k", _rates(self.hw, self.model, self.gpus, self.ep))
 
     # ---- what the simulator asks (the `Cost` protocol) --------------------------------------
 
@@ -169,45 +223,26 @@ class LockstepCost:
         self, own_tokens: float, kv: float, chunk: float, chunk_ctx: float, unit_tokens: float
     ) -> float:
         """One rank's attention, dense layers and experts for one step."""
-        m, hw, e = self.model, self.hw, self.ep
-        fp8 = (hw.peak_fp8_flops or hw.peak_flops) * e.gemm_eff
-        bw = hw.hbm_bw * e.bw_eff
-        attn = 0.0
-        if kv > 0:
-            attn += max(
-                kv * m.kv_bytes_per_token / (hw.hbm_bw * e.decode_attn_bw_eff),
-                kv * m.attn_flops_decode / (hw.peak_flops * e.decode_attn_flops_eff),
-            )
+        k, m = self._k, self.model
+        attn = kv * k.attn_decode_s_per_kv
         if chunk > 0:
-            pairs = chunk * (chunk_ctx + chunk / 2.0)
-            attn += pairs * m.attn_flops_prefill / (hw.peak_flops * e.prefill_attn_eff)
-        wbytes = m.weight_bytes_per_param
-        dense = max(m.dense_params * wbytes / bw, 2.0 * m.dense_params * own_tokens / fp8)
-        pairs_here = unit_tokens * m.top_k / self.gpus
-        pairs_here *= expert_imbalance(m, self.gpus, unit_tokens)
-        local_experts = m.experts / self.gpus
-        touched = 1.0 if local_experts <= 1 else 1.0 - (1.0 - 1.0 / local_experts) ** pairs_here
-        expert_bytes = local_experts * touched * m.expert_params * m.moe_layers * wbytes
-        expert_flops = 2.0 * pairs_here * m.expert_params * m.moe_layers
-        experts = max(expert_bytes / bw, expert_flops / fp8)
+            attn += chunk * (chunk_ctx + chunk / 2.0) * k.attn_prefill_s_per_pair
+        dense = max(k.dense_read_s, own_tokens * k.dense_s_per_token)
+        pairs = unit_tokens * m.top_k / self.gpus
+        if pairs > 0 and self.gpus > 1:  # expert_imbalance, with its constant precomputed
+            pairs *= 1.0 + k.imbalance_z / math.sqrt(max(pairs, 1.0))
+        le = k.local_experts
+        touched = 1.0 if le <= 1 else 1.0 - (1.0 - 1.0 / le) ** pairs
+        experts = max(k.expert_read_s * touched, pairs * k.expert_s_per_pair)
         return attn + dense + experts
 
     def _a2a_s(self, tokens_per_rank: float, low_latency: bool) -> float:
-        m = self.model
-        if self.gpus <= 1 or tokens_per_rank <= 0:
+        k = self._k
+        if tokens_per_rank <= 0:
             return 0.0
         if low_latency:
-            return m.moe_layers * low_latency_a2a_s(self.gpus, tokens_per_rank, m.hidden)
-        # FP8 dispatch (1 byte) and BF16 combine (2 bytes) of each token, once per peer that
-        # holds one of its experts: across nodes DeepEP sends once per node over RDMA and
-        # forwards over NVLink (its bandwidth figures count those RDMA bytes).
-        per_node = self.hw.gpus_per_node
-        peers = self.gpus if self.gpus <= per_node else self.gpus // per_node
-        peers = min(peers, m.max_nodes_per_token) if self.gpus > per_node else peers
-        hit = peers * (1.0 - (1.0 - 1.0 / peers) ** m.top_k)
-        remote = hit * (peers - 1) / peers
-        nbytes = tokens_per_rank * remote * m.hidden * 3.0
-        return m.moe_layers * nbytes / normal_a2a_bw(self.hw, self.gpus)
+            return tokens_per_rank * k.ll_a2a_s_per_token
+        return tokens_per_rank * k.normal_a2a_s_per_token
 
     def step_s(
         self,
@@ -226,8 +261,7 @@ class LockstepCost:
             step = (slowest + self._a2a_s(rank_batch, low_latency=True)) / _tbo(e, rank_batch)
             return step + e.graph_step_s + e.per_seq_s * rank_batch
         a2a = self._a2a_s(rank_batch + chunk, low_latency=False)
-        eager = e.eager_launch_s_per_layer * self.model.layers
-        return slowest + a2a + eager + e.per_seq_s * rank_batch
+        return slowest + a2a + self._k.eager_s + e.per_seq_s * rank_batch
 
     def prefill_step_s(
         self, chunk: float, chunk_ctx: float, ranks_prefilling: int, prompts: float = 1.0
@@ -238,13 +272,11 @@ class LockstepCost:
         tokens = chunk * prompts
         unit_tokens = tokens * ranks_prefilling
         compute = self._rank_compute_s(tokens, 0.0, 0.0, 0.0, unit_tokens)
-        pairs = prompts * chunk * (chunk_ctx + chunk / 2.0)
-        m, hw = self.model, self.hw
-        compute += pairs * m.attn_flops_prefill / (hw.peak_flops * self.ep.prefill_attn_eff)
+        compute += prompts * chunk * (chunk_ctx + chunk / 2.0) * self._k.attn_prefill_s_per_pair
         a2a = self._a2a_s(tokens, low_latency=False)
         overlap = ranks_prefilling >= self.gpus
         step = max(compute, a2a) if overlap else compute + a2a
-        return step + self.ep.eager_launch_s_per_layer * self.model.layers
+        return step + self._k.eager_s
 
     # ---- what the allocator needs ------------------------------------------------------------
 
