@@ -168,3 +168,13 @@ def test_turn_latencies_show_the_mixed_step_stall() -> None:
     for r in (colocated, pooled):
         assert 0 < r.ttft_s[0] <= r.ttft_s[1] and 0 < r.itl_s[0] <= r.itl_s[1]
     assert pooled.itl_s[0] < colocated.itl_s[0]
+
+
+def test_a_worker_switched_with_local_prefills_queued_finishes_them_and_resumes() -> None:
+    """A decode worker's queued local prefills are decode-role work: it drains them before it
+    switches; a worker that restarts into a new configuration resumes its queue (both used to
+    leave a rollout stuck forever under the reactive policy)."""
+    spec = load_workload("shift")
+    cfg = SimConfig(gpus=64, trajectories=256, seed=0, max_sim_s=50_000)
+    r = run_policy(role_preset("h200-deepseek-v3"), spec, cfg, "reactive")
+    assert r.trajectories == 256 and r.switches >= 1

@@ -340,6 +340,7 @@ class Simulator:
                 payload.restarting = False
                 self._pools_dirty = True
                 self._drain_pending_everywhere()
+                self._reschedule(payload)
         for w in self.workers:
             self._advance(w)
             w.role_s[w.role] += self.now - w.role_since
@@ -691,7 +692,11 @@ class Simulator:
             return
         old = w.role
         busy_prefill = bool(w.pq or w.pulling) and old in (Role.PREFILL, Role.MIXED)
-        busy_decode = (w.count or w.pending or w.incoming) and old in (Role.DECODE, Role.MIXED)
+        # A decode worker's queued local prefills are turns it will decode: work of its role.
+        busy_decode = (w.count or w.pending or w.incoming or w.pq) and old in (
+            Role.DECODE,
+            Role.MIXED,
+        )
         if busy_prefill or busy_decode:
             return
         self._advance(w)
