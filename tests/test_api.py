@@ -185,6 +185,8 @@ BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refu
      "staticPrefill .*must lie within"),
     ({"model": {"name": "m"}, "allocation": {"capacityModel": "h200-deepseek-v3"}},
      "capacityModel .*gpusPerWorker"),
+    ({"model": {"name": "m"}, "workers": {"replicas": 4}, "allocation": {"initialPrefill": 4}},
+     "initialPrefill .*must leave"),
 ]  # fmt: skip
 
 

@@ -85,6 +85,9 @@ def simulate(
     colocated_gpus: Annotated[
         int, typer.Option(min=0, help="expert-parallel presets: GPUs per colocated engine")
     ] = 0,
+    initial_prefill: Annotated[
+        int | None, typer.Option(help="predictive, reactive: prefill workers at start")
+    ] = None,
     prefix_pull: Annotated[
         bool,
         typer.Option(
@@ -130,6 +133,7 @@ def simulate(
     settings = replace(
         AllocationSettings(),
         static_prefill=static_prefill,
+        initial_prefill=initial_prefill,
         horizon_s=horizon,
         interval_s=interval,
     )

@@ -120,6 +120,12 @@ class Allocation(_Model):
             "is worth it)."
         ),
     )
+    initialPrefill: int | None = Field(
+        default=None, ge=0,
+        description="predictive, reactive: prefill workers at start (default: minPrefill); a "
+        "start near the expected split saves engine restarts where roles run different "
+        "engine configurations.",
+    )  # fmt: skip
     minDecode: int = Field(default=_ALLOC.min_decode, ge=1,
                            description="Decode workers always kept (at least one: a cluster "
                            "without decode workers serves nothing).")  # fmt: skip
@@ -182,6 +188,7 @@ class Allocation(_Model):
             policy=self.policy,
             static_prefill=self.staticPrefill,
             min_prefill=self.minPrefill,
+            initial_prefill=self.initialPrefill,
             min_decode=self.minDecode,
             horizon_s=self.horizonSeconds,
             interval_s=self.intervalSeconds,
@@ -255,6 +262,10 @@ class RolloutClusterSpec(_Model):
             raise ValueError(f"allocation.capacityModel {a.capacityModel} describes engine "
                              f"units of {unit} GPUs: set workers.gpusPerWorker to {unit} "
                              f"(not {self.workers.gpusPerWorker})")  # fmt: skip
+        if a.initialPrefill is not None and a.initialPrefill > n - a.minDecode:
+            raise ValueError(f"allocation.initialPrefill ({a.initialPrefill}) must leave "
+                             f"allocation.minDecode ({a.minDecode}) decode workers of "
+                             f"workers.replicas ({n})")  # fmt: skip
         if (
             a.policy == "static"
             and a.staticPrefill is not None
@@ -302,6 +313,12 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         + ".exists(f, a == f || a.startsWith(f + '=')))",
         "message": "workers.engineArgs must not set what the operator sets: "
         + ", ".join(OPERATOR_ENGINE_FLAGS),
+    },
+    {
+        "rule": "!has(self.allocation) || !has(self.allocation.initialPrefill) || "
+        "!has(self.workers) || "
+        "self.allocation.initialPrefill <= self.workers.replicas - self.allocation.minDecode",
+        "message": "allocation.initialPrefill must leave allocation.minDecode decode workers",
     },
     {
         "rule": "!has(self.allocation) || !has(self.allocation.capacityModel) || "

@@ -31,6 +31,7 @@ class AllocationSettings:
     policy: str = "predictive"
     static_prefill: int | None = None  # static: prefill workers (default: a quarter)
     min_prefill: int = 0  # 0: decode workers may prefill locally when no pool is worth it
+    initial_prefill: int | None = None  # prefill workers at start (None: min_prefill)
     min_decode: int = 1
     horizon_s: float = 60.0
     interval_s: float = 5.0
@@ -137,8 +138,10 @@ class Policy(ABC):
     _last_switch_at: float = field(default=-math.inf, init=False)
 
     def initial_roles(self, n: int) -> list[Role]:
-        """Start at the minimum prefill pool; decode workers prefill locally meanwhile."""
-        p = self.clamp(Allocation(0, n), n).prefill
+        """Start at `initial_prefill` (default: the minimum pool; decode workers prefill
+        locally meanwhile). Where a switch restarts engines for minutes, a start near the
+        expected split saves those restarts."""
+        p = self.clamp(Allocation(self.settings.initial_prefill or 0, n), n).prefill
         return [Role.PREFILL] * p + [Role.DECODE] * (n - p)
 
     @abstractmethod
