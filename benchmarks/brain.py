@@ -344,7 +344,9 @@ def main() -> None:
         # The expert-parallel regime: DeepSeek-V3 on 128 H200, prefill EP8 / decode EP32
         # engines (colocated: EP32), with and without the prefix-pull what-if. A switch
         # restarts the engines (~300 s), so the horizon covers three of them.
-        ep = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0)
+        # Predictive and reactive start from the static policy's default split (a quarter of
+        # the slots) instead of none: every switch costs an engine restart.
+        ep = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0, initial_prefill=1)
         for pull in (False, True) if a.prefix_pull is None else (a.prefix_pull == "on",):
             table(a.workloads.split(","), ["sync"], 128, "h200-deepseek-v3", pull, ep)
     if a.only in (None, "seeds"):

@@ -193,3 +193,14 @@ def test_a_prefill_pool_is_charged_the_recompute_its_lost_kv_causes() -> None:
     # with room for every context, nothing is evicted and the pool is judged as before
     fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 0.5
     assert pol.cost(fc, 4, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)
+
+
+def test_prefill_slows_with_the_context_it_attends_to() -> None:
+    from prorsa.policy.capacity import RoleCapacity
+
+    flat = RoleCapacity(1000.0, 0.01, 1e-5, 1e-8, 1e6)
+    assert flat.prefill_slowdown(100_000) == 1.0
+    cap = RoleCapacity(1000.0, 0.01, 1e-5, 1e-8, 1e6, prefill_s_per_token_per_context=1e-7)
+    assert cap.prefill_slowdown(8192) == 1.0
+    assert cap.prefill_slowdown(8192 + 10_000) == 2.0  # 1 ms per token becomes 2 ms
+    assert cap.prefill_slowdown(0) >= 0.1

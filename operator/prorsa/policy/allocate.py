@@ -358,9 +358,12 @@ class PredictivePolicy(Policy):
             # Prefill: the pool-worthy share goes to the prefill pool while the pool keeps up;
             # the router spills what it cannot take, and every short append, to the decode
             # workers, which prefill it between their decode steps.
+            # A prefill attends to its trajectory's context (about a decoding sequence's KV).
+            kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
+            slow = cap.prefill_slowdown(kv_seq)
             demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
             remote = demand * fc.remote_prefill_share + backlog / dt
-            served = min(remote, p_eff * cap.prefill_tokens_per_s)
+            served = min(remote, p_eff * cap.prefill_tokens_per_s / slow)
             local = demand - served
             backlog = 0.0
             # Decode: progress lost to bigger batches, KV reads and local prefills; KV
@@ -371,13 +374,13 @@ class PredictivePolicy(Policy):
                 lost += seqs * dt
                 carry = seqs
                 continue
-            busy = local / (d_eff * cap.local_prefill_rate)
+            local_rate = cap.local_prefill_rate / slow
+            busy = local / (d_eff * local_rate)
             if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
-                lost += (busy - 0.95) * d_eff * cap.local_prefill_rate * dt / mean_req * dt
+                lost += (busy - 0.95) * d_eff * local_rate * dt / mean_req * dt
                 busy = 0.95
             if seqs <= 0:
                 continue
-            kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
             kv_worker = seqs * kv_seq / d_eff
             stalled = 0.0
             if kv_worker > cap.kv_capacity_tokens:

@@ -21,10 +21,23 @@ class RoleCapacity:
     # (0: as fast as a prefill worker). Lower on expert-parallel units, where one rank's
     # chunk stalls every rank's decodes and costs the step its CUDA graphs.
     local_prefill_tokens_per_s: float = 0.0
+    # How prefill slows with the context it attends to: `prefill_tokens_per_s` holds at
+    # `prefill_context` tokens of context; each further context token adds this many seconds
+    # per new token (attention over the cached prefix). 0: no context dependence known.
+    prefill_s_per_token_per_context: float = 0.0
+    prefill_context: float = 8192.0
 
     @property
     def local_prefill_rate(self) -> float:
         return self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
+
+    def prefill_slowdown(self, context: float) -> float:
+        """Seconds per prefill token at `context` over those at `prefill_context` (>= 0.1)."""
+        if not self.prefill_s_per_token_per_context:
+            return 1.0
+        base = 1.0 / self.prefill_tokens_per_s
+        extra = self.prefill_s_per_token_per_context * (context - self.prefill_context)
+        return max(0.1, (base + extra) / base)
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         return (

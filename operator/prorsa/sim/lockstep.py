@@ -295,9 +295,14 @@ class LockstepCost:
         # prefill token (every rank waits for the chunk and the step runs without graphs).
         append = typical_new
         lost = self.mixed_step_s(b0, kv0, append, typical_context, 1) - self.decode_step_s(b0, kv0)
+        # Context dependence of prefill: the same request at 4x the typical context.
+        far = 4.0 * typical_context
+        slope = (self.prefill_s(typical_new, far) - per_req) / typical_new / (far - typical_context)
         return RoleCapacity(
             prefill_tokens_per_s=typical_new / per_req,
             local_prefill_tokens_per_s=append / max(lost, 1e-9),
+            prefill_s_per_token_per_context=max(slope, 0.0),
+            prefill_context=typical_context,
             decode_base_step_s=base,
             decode_s_per_seq=max(per_seq, 0.0),
             decode_s_per_kv_token=max(per_kv, 0.0),
