@@ -316,6 +316,56 @@ def test_scale_down_picks_unready_then_newest_and_never_a_draining_worker() -> N
         "rl-worker-3", "rl-worker-2", "rl-worker-0"]  # fmt: skip
 
 
+def test_an_invalid_edit_of_a_running_cluster_changes_nothing(redis_url: str) -> None:
+    """`kubectl edit` with a value the API server's CEL rules would refuse (reaching the operator
+    anyway, as through an older CRD): a Degraded/InvalidSpec condition and a Warning Event
+    naming the field; no pod created, deleted or relabelled; a valid edit resumes."""
+
+    async def main() -> None:
+        async with kmock_api() as api:
+            await api.create(rcl("edited", {
+                "model": {"name": "m"}, "workers": {"replicas": 2}, "redis": {"url": redis_url},
+                "allocation": {"policy": "static", "staticPrefill": 1},
+            }))  # fmt: skip
+            async with running_operator():
+                await until(lambda: has_workers(api, "edited", 2), 20, "two workers")
+                await mark_ready(api, "edited")
+
+                await until(lambda: decided(api, "edited", "1P:1D"), 30, "the daemon deciding")
+                before = {p["metadata"]["name"]: p["metadata"]["labels"][L.ROLE]
+                          for p in await worker_pods(api, "edited")}  # fmt: skip
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edited", {"spec": {
+                    "workers": {"replicas": 4, "engineArgs": ["--port", "9999"]}}})  # fmt: skip
+
+                async def refused() -> bool:
+                    st = await rcl_status(api, "edited")
+                    return st.get("phase") == "Degraded" and any(
+                        c["type"] == "Degraded"
+                        and c["reason"] == "InvalidSpec"
+                        and "engineArgs" in c["message"]
+                        for c in st.get("conditions") or []
+                    )
+
+                await until(refused, 30, "the InvalidSpec condition on the running cluster")
+
+                async def warned() -> bool:
+                    events = await api.list("v1", "Event", NS, "")
+                    return any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
+                               and "engineArgs" in (e.get("message") or "")
+                               for e in events)  # fmt: skip
+
+                await until(warned, 20, "a Warning event naming the field")
+                await asyncio.sleep(3)  # give a wrong reconcile the time to act
+                after = {p["metadata"]["name"]: p["metadata"]["labels"][L.ROLE]
+                         for p in await worker_pods(api, "edited")}  # fmt: skip
+                assert after == before
+                await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edited", {"spec": {
+                    "workers": {"replicas": 3, "engineArgs": []}}})  # fmt: skip
+                await until(lambda: has_workers(api, "edited", 3), 30, "the valid edit applied")
+
+    asyncio.run(main())
+
+
 async def ask_for_a_second_prefill_worker(api: KubeApi, cluster: str) -> None:
     """Three workers of a static 1P cluster become ready and the daemon decides 1P:2D; then
     `kubectl edit` sets staticPrefill to 2."""

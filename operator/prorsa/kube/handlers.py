@@ -98,16 +98,23 @@ def condition(type_: str, status: bool, reason: str, message: str, generation: i
             "observedGeneration": generation}  # fmt: skip
 
 
-def _refuse(patch: kopf.Patch, body: kopf.Body, generation: int, reason: str, message: str
-            ) -> None:  # fmt: skip
-    """A spec that cannot be honoured: say so on the object, and stop (no retry loop)."""
-    patch.status["phase"] = "Failed" if reason == "InvalidSpec" else "Degraded"
+async def _refuse(patch: kopf.Patch, body: kopf.Body, generation: int, reason: str,
+                  message: str) -> None:  # fmt: skip
+    """A spec that cannot be honoured: say so on the object, and stop (no retry loop). A
+    running cluster keeps what it runs (an invalid edit changes nothing): Degraded, not
+    Failed."""
+    running = bool((body.get("status") or {}).get("replicas"))  # it has workers already
+    if running and reason == "InvalidSpec":
+        message = f"{message} (edit refused; the cluster keeps running its last valid spec)"
+    patch.status["phase"] = "Failed" if reason == "InvalidSpec" and not running else "Degraded"
     patch.status["observedGeneration"] = generation
     patch.status["conditions"] = [
         condition("Ready", False, reason, message, generation),
         condition("Degraded", True, reason, message, generation),
     ]
-    kopf.warn(body, reason=reason, message=message)
+    # Our own poster, not kopf.warn: each Event gets its own name (kopf's rely on the API
+    # server's generateName, which emulators may lack).
+    await post_event(body, reason, message, "Warning")
 
 
 async def post_event(body: Mapping[str, Any], reason: str, message: str,
@@ -167,13 +174,13 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'spec'}: {err['msg']}"
                              for err in e.errors())  # fmt: skip
-        _refuse(patch, body, generation, "InvalidSpec", problems)
+        await _refuse(patch, body, generation, "InvalidSpec", problems)
         return
     k = api()
     ref = spec.redis.passwordSecretRef
     if ref is not None and await k.get("v1", "Secret", namespace, ref.name) is None:
         message = f"redis.passwordSecretRef: no Secret {ref.name!r} in {namespace}"
-        _refuse(patch, body, generation, "SecretNotFound", message)
+        await _refuse(patch, body, generation, "SecretNotFound", message)
         # the user may create it any moment: look again (kopf retries the handler)
         raise kopf.TemporaryError(message, delay=SECRET_RETRY_S)
     owner = b.owner_reference(name, uid)
