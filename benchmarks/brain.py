@@ -28,7 +28,8 @@ from prorsa.policy.allocate import (
 from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
-from prorsa.sim.engine import SimConfig, SimResult, Simulator
+from prorsa.sim.config import SimConfig, SimResult
+from prorsa.sim.engine import Simulator
 from prorsa.sim.presets import preset, role_preset
 from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
 

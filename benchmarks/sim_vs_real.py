@@ -26,8 +26,9 @@ from prorsa.local.redis_server import RedisServer
 from prorsa.local.runner import KEYS, LocalOptions, run_policy
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.policy.allocate import make_policy
+from prorsa.sim.config import SimConfig
 from prorsa.sim.costmodel import MeasuredCost
-from prorsa.sim.engine import SimConfig, Simulator
+from prorsa.sim.engine import Simulator
 from prorsa.sim.workload import generate, load_workload
 
 

@@ -10,7 +10,8 @@ import pytest
 from prorsa.policy.allocate import Role
 from prorsa.sim.calibration import ROWS
 from prorsa.sim.compare import placement_for, run_policy, static_splits
-from prorsa.sim.engine import SimConfig, Simulator
+from prorsa.sim.config import SimConfig
+from prorsa.sim.engine import Simulator
 from prorsa.sim.hardware import HARDWARE, MODELS, low_latency_a2a_s
 from prorsa.sim.lockstep import LockstepCost
 from prorsa.sim.presets import preset, role_preset

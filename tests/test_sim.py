@@ -8,7 +8,8 @@ import pytest
 from prorsa.policy.allocate import AllocationSettings, Role, make_policy
 from prorsa.policy.lifecycle import EventType
 from prorsa.sim.compare import run_policy
-from prorsa.sim.engine import SimConfig, Simulator
+from prorsa.sim.config import SimConfig
+from prorsa.sim.engine import Simulator
 from prorsa.sim.oracle import oracle_forecast
 from prorsa.sim.presets import preset
 from prorsa.sim.workload import generate, load_workload

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from prorsa.policy.allocate import AllocationSettings
 from prorsa.sim.compare import ALL_POLICIES, Comparison, compare
-from prorsa.sim.engine import SimConfig
+from prorsa.sim.config import SimConfig
 from prorsa.sim.presets import PRESETS, preset, role_preset
 from prorsa.sim.workload import WorkloadError, load_workload
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from prorsa.policy.allocate import make_policy
 from prorsa.policy.placement import PlacementSettings
+from prorsa.sim.config import Mode, SimConfig, SimResult, SimulationTooLong
 from prorsa.sim.costmodel import Cost
-from prorsa.sim.engine import Mode, SimConfig, SimResult, SimulationTooLong, Simulator
+from prorsa.sim.engine import Simulator
 from prorsa.sim.oracle import oracle_forecast
 from prorsa.sim.presets import preset
 from prorsa.sim.roles import RoleCosts, role_costs

@@ -16,13 +16,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from prorsa.policy.allocate import (
-    AllocationSettings,
     ClusterView,
     Decision,
     Policy,
@@ -37,190 +34,23 @@ from prorsa.policy.forecast import (
     make_forecaster,
 )
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
-from prorsa.policy.placement import PlacementSettings, pool_worthy, sheds_load, stays_local
+from prorsa.policy.placement import pool_worthy, sheds_load, stays_local
+from prorsa.sim.config import (
+    SimConfig,
+    SimResult,
+    SimulationTooLong,
+    TimelinePoint,
+    p50_p99,
+)
 from prorsa.sim.costmodel import Cost
 from prorsa.sim.roles import RoleCosts, role_costs
+from prorsa.sim.state import PrefillJob, SimWorker, TrajRun
 from prorsa.sim.workload import TrajectoryScript
-
-Mode = Literal["sync", "async"]
 
 # Heap event kinds
 _WORKER, _KV_DONE, _TOOL_DONE, _ARRIVAL, _TICK, _SWITCH_DONE, _PREFIX_PULLED = range(7)
 _EPS = 1e-6
 _REFRESH_S = 5.0  # re-evaluate a decode segment at least this often (its KV keeps growing)
-
-
-class SimulationTooLong(RuntimeError):
-    """The rollout did not finish within `SimConfig.max_sim_s` simulated seconds."""
-
-
-@dataclass
-class SimConfig:
-    gpus: int
-    mode: Mode = "sync"
-    trajectories: int = 0  # 0: `per_gpu` per GPU (sync) or 2x the concurrency (async)
-    concurrency: int = 0  # async: trajectories in flight (0: `per_gpu` per GPU)
-    per_gpu: int = 16  # the workload's typical batch per GPU
-    seed: int = 0
-    settings: AllocationSettings = field(default_factory=AllocationSettings)
-    tool_events: bool = True  # clients send tool_start/tool_end hints through the router
-    shadow_forecasters: tuple[str, ...] = ("last", "ewma", "lifecycle")
-    placement: PlacementSettings = field(default_factory=PlacementSettings)  # router rules
-    # What-if: a prefill worker pulls the prefix KV a trajectory's decode worker holds (over
-    # the KV link) instead of recomputing it. The real workers cannot yet: vLLM's NIXL
-    # connector moves KV from prefill to decode only.
-    prefix_pull: bool = False
-    max_sim_s: float = 7 * 24 * 3600.0
-
-    def workers(self, gpus_per_worker: int) -> int:
-        """Engine units of `gpus_per_worker` GPUs the cluster holds (what the policy splits)."""
-        n = self.gpus // gpus_per_worker
-        if n < 2:
-            raise ValueError(
-                f"{self.gpus} GPUs make {n} worker(s) of {gpus_per_worker} GPUs; the simulator "
-                "needs at least 2 (one per role)"
-            )
-        return n
-
-    def resolved(self) -> SimConfig:
-        if self.gpus < 2:
-            raise ValueError("the simulator needs at least 2 GPUs (one per role)")
-        conc = self.concurrency or self.per_gpu * self.gpus
-        n = self.trajectories or (self.per_gpu * self.gpus if self.mode == "sync" else 2 * conc)
-        return replace(self, trajectories=n, concurrency=conc)
-
-
-class TrajRun:
-    __slots__ = (
-        "context",
-        "dec_ctx",
-        "decode_home",
-        "ended_at",
-        "gjoin",
-        "idx",
-        "in_decode",
-        "joined_at",
-        "phase_t0",
-        "prefill_home",
-        "script",
-        "started_at",
-        "submitted_at",
-        "target",
-        "tool_until",
-        "turn",
-    )
-
-    def __init__(self, idx: int, script: TrajectoryScript) -> None:
-        self.idx = idx
-        self.script = script
-        self.turn = 0
-        self.context = 0  # tokens whose KV exists after the current turn's prefill
-        self.decode_home = -1
-        self.prefill_home = -1
-        self.started_at = -1.0
-        self.ended_at = -1.0
-        self.dec_ctx = 0
-        self.gjoin = 0.0
-        self.in_decode = -1  # worker decoding it, or -1
-        self.tool_until = -1.0
-        self.phase_t0 = 0.0  # when the current phase's request was sent (for event timings)
-        self.submitted_at = 0.0  # this turn's submission (its time to first token)
-        self.joined_at = 0.0  # this turn's first decode step (its inter-token latency)
-        self.target = 0.0  # decode: the worker's G at which this sequence finishes
-
-
-class PrefillJob:
-    __slots__ = ("compute", "ctx", "local", "remaining", "started", "traj")
-
-    def __init__(self, traj: TrajRun, compute: int, ctx: int, local: bool) -> None:
-        self.traj = traj
-        self.compute = compute  # tokens to compute (prompt minus cached prefix)
-        self.ctx = ctx  # cached prefix the new tokens attend to
-        self.remaining = float(compute)
-        self.local = local  # decode on the same worker (mixed / fallback) or transfer
-        self.started = 0.0
-
-
-class SimWorker:
-    def __init__(self, idx: int, role: Role, kv_capacity: float) -> None:
-        self.idx = idx
-        self.id = f"w{idx}"
-        self.role = role
-        self.draining = False
-        self.target_role: Role | None = None
-        self.restarting = False
-        self.kv_capacity = kv_capacity
-        self.pq: deque[PrefillJob] = deque()
-        self.queue_s = 0.0
-        self.queue_tokens = 0
-        self.heap: list[tuple[float, int, TrajRun]] = []
-        self.G = 0.0
-        self.count = 0
-        self.ctx_sum = 0
-        self.gjoin_sum = 0.0
-        self.pending: deque[TrajRun] = deque()
-        self.incoming = 0
-        self.pulling = 0  # pool prefills waiting for their prefix KV (prefix-pull what-if)
-        self.cache: OrderedDict[int, int] = OrderedDict()
-        self.cache_total = 0
-        self.homed = 0  # trajectories whose decode sticks to this worker
-        self.last_t = 0.0
-        self.tau = 0.0
-        self.p_rate = 0.0
-        self.version = 0
-        self.busy_s: dict[Role, float] = {r: 0.0 for r in Role}
-        self.role_s: dict[Role, float] = {r: 0.0 for r in Role}
-        self.role_since = 0.0
-
-    def accepts(self, role: Role) -> bool:
-        if self.draining or self.restarting:
-            return False
-        return self.role == role or self.role == Role.MIXED
-
-    @property
-    def kv_running(self) -> float:
-        return self.ctx_sum + self.count * self.G - self.gjoin_sum
-
-    def cached(self, traj_idx: int) -> int:
-        return self.cache.get(traj_idx, 0)
-
-
-@dataclass
-class TimelinePoint:
-    t: float
-    prefill: int
-    decode: int
-    mixed: int
-    forecast_prefill_tps: float
-    actual_prefill_tps: float
-    forecast_decode: float
-    actual_decode: int
-
-
-@dataclass
-class SimResult:
-    policy: str
-    mode: Mode
-    makespan_s: float
-    throughput_traj_per_min: float
-    p50_completion_s: float
-    p99_completion_s: float
-    prefill_util: float
-    decode_util: float
-    switches: int
-    trajectories: int
-    turns: int
-    output_tokens: int
-    prefill_tokens_computed: int
-    decisions: int
-    forecast_mape: dict[str, dict[str, float]]
-    timeline: list[TimelinePoint]
-    wall_s: float = 0.0
-    label: str = ""
-    # Per turn: time to first token (queueing, prefill, KV transfer) and the mean inter-token
-    # latency of its decode, p50 and p99: where prefill interference shows.
-    ttft_s: tuple[float, float] = (0.0, 0.0)
-    itl_s: tuple[float, float] = (0.0, 0.0)
 
 
 class Simulator:
@@ -843,13 +673,6 @@ class Simulator:
             timeline=self.timeline,
             wall_s=wall_s,
             label=self.policy.name,
-            ttft_s=_p50_p99(self.ttfts),
-            itl_s=_p50_p99(self.itls),
+            ttft_s=p50_p99(self.ttfts),
+            itl_s=p50_p99(self.itls),
         )
-
-
-def _p50_p99(xs: list[float]) -> tuple[float, float]:
-    if not xs:
-        return (0.0, 0.0)
-    v = sorted(xs)
-    return v[len(v) // 2], v[min(len(v) - 1, int(0.99 * len(v)))]

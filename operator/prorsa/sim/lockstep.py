@@ -72,17 +72,6 @@ def _tbo(e: EPEfficiency, tokens_per_rank: float) -> float:
     return max(1.0, interp(e.tbo_tokens, e.tbo_gain, tokens_per_rank))
 
 
-def expert_imbalance(model: ModelSpec, ranks: int, tokens: float) -> float:
-    """Max over mean of the token-expert pairs a rank computes in one step, with EPLB's
-    placement balancing the experts' average load: what is left is the sampling noise of one
-    batch (a multinomial over ranks; max of G ~ mean + sqrt(2 ln G) standard deviations).
-    Derived; the Waterfill/LPLB blog (lmsys, 2026) names this residual per-batch imbalance."""
-    if ranks <= 1 or tokens <= 0:
-        return 1.0
-    per_rank = tokens * model.top_k / ranks
-    return 1.0 + math.sqrt(2.0 * math.log(ranks)) / math.sqrt(max(per_rank, 1.0))
-
-
 @dataclass(frozen=True, slots=True)
 class _Rates:
     """Per-unit constants of the step model, derived once from the tables (the simulator
@@ -95,6 +84,11 @@ class _Rates:
     local_experts: float
     expert_read_s: float  # every local expert of every MoE layer read once
     expert_s_per_pair: float
+    # Expert imbalance: max over mean of the token-expert pairs a rank computes in a step.
+    # With EPLB's placement balancing the experts' average load, what is left is the sampling
+    # noise of one batch (a multinomial over ranks; the max of G ~ mean + sqrt(2 ln G)
+    # standard deviations). Derived; the Waterfill/LPLB blog (lmsys, 2026) names this
+    # residual per-batch imbalance.
     imbalance_z: float  # sqrt(2 ln G)
     ll_a2a_s_per_token: float
     normal_a2a_s_per_token: float
@@ -229,7 +223,7 @@ class LockstepCost:
             attn += chunk * (chunk_ctx + chunk / 2.0) * k.attn_prefill_s_per_pair
         dense = max(k.dense_read_s, own_tokens * k.dense_s_per_token)
         pairs = unit_tokens * m.top_k / self.gpus
-        if pairs > 0 and self.gpus > 1:  # expert_imbalance, with its constant precomputed
+        if pairs > 0 and self.gpus > 1:  # the residual imbalance (see `_Rates`)
             pairs *= 1.0 + k.imbalance_z / math.sqrt(max(pairs, 1.0))
         le = k.local_experts
         touched = 1.0 if le <= 1 else 1.0 - (1.0 - 1.0 / le) ** pairs

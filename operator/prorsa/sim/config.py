@@ -1,0 +1,96 @@
+"""What one simulated rollout is asked to do and what it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from prorsa.policy.allocate import AllocationSettings
+from prorsa.policy.placement import PlacementSettings
+
+Mode = Literal["sync", "async"]
+
+
+class SimulationTooLong(RuntimeError):
+    """The rollout did not finish within `SimConfig.max_sim_s` simulated seconds."""
+
+
+@dataclass
+class SimConfig:
+    gpus: int
+    mode: Mode = "sync"
+    trajectories: int = 0  # 0: `per_gpu` per GPU (sync) or 2x the concurrency (async)
+    concurrency: int = 0  # async: trajectories in flight (0: `per_gpu` per GPU)
+    per_gpu: int = 16  # the workload's typical batch per GPU
+    seed: int = 0
+    settings: AllocationSettings = field(default_factory=AllocationSettings)
+    tool_events: bool = True  # clients send tool_start/tool_end hints through the router
+    shadow_forecasters: tuple[str, ...] = ("last", "ewma", "lifecycle")
+    placement: PlacementSettings = field(default_factory=PlacementSettings)  # router rules
+    # What-if: a prefill worker pulls the prefix KV a trajectory's decode worker holds (over
+    # the KV link) instead of recomputing it. The real workers cannot yet: vLLM's NIXL
+    # connector moves KV from prefill to decode only.
+    prefix_pull: bool = False
+    max_sim_s: float = 7 * 24 * 3600.0
+
+    def workers(self, gpus_per_worker: int) -> int:
+        """Engine units of `gpus_per_worker` GPUs the cluster holds (what the policy splits)."""
+        n = self.gpus // gpus_per_worker
+        if n < 2:
+            raise ValueError(
+                f"{self.gpus} GPUs make {n} worker(s) of {gpus_per_worker} GPUs; the simulator "
+                "needs at least 2 (one per role)"
+            )
+        return n
+
+    def resolved(self) -> SimConfig:
+        if self.gpus < 2:
+            raise ValueError("the simulator needs at least 2 GPUs (one per role)")
+        conc = self.concurrency or self.per_gpu * self.gpus
+        n = self.trajectories or (self.per_gpu * self.gpus if self.mode == "sync" else 2 * conc)
+        return replace(self, trajectories=n, concurrency=conc)
+
+
+@dataclass
+class TimelinePoint:
+    t: float
+    prefill: int
+    decode: int
+    mixed: int
+    forecast_prefill_tps: float
+    actual_prefill_tps: float
+    forecast_decode: float
+    actual_decode: int
+
+
+@dataclass
+class SimResult:
+    policy: str
+    mode: Mode
+    makespan_s: float
+    throughput_traj_per_min: float
+    p50_completion_s: float
+    p99_completion_s: float
+    prefill_util: float
+    decode_util: float
+    switches: int
+    trajectories: int
+    turns: int
+    output_tokens: int
+    prefill_tokens_computed: int
+    decisions: int
+    forecast_mape: dict[str, dict[str, float]]
+    timeline: list[TimelinePoint]
+    wall_s: float = 0.0
+    label: str = ""
+    # Per turn: time to first token (queueing, prefill, KV transfer) and the mean inter-token
+    # latency of its decode, p50 and p99: where prefill interference shows.
+    ttft_s: tuple[float, float] = (0.0, 0.0)
+    itl_s: tuple[float, float] = (0.0, 0.0)
+
+
+def p50_p99(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return (0.0, 0.0)
+    v = sorted(xs)
+    return v[len(v) // 2], v[min(len(v) - 1, int(0.99 * len(v)))]
