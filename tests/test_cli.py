@@ -71,3 +71,21 @@ def test_redis_password_from_the_environment_joins_the_url(monkeypatch) -> None:
     assert _with_password("redis://:own@r:6379/0") == "redis://:own@r:6379/0"
     monkeypatch.delenv("REDIS_PASSWORD")
     assert _with_password("redis://r:6379/0") == "redis://r:6379/0"
+
+
+def test_simulate_an_expert_parallel_preset_with_stage_specific_engines(tmp_path: Path) -> None:
+    out = tmp_path / "ep.json"
+    args = ["simulate", "--preset", "h200-deepseek-v3", "--workload", "math", "--gpus", "64",
+            "--trajectories", "16", "--policy", "colocated,static", "--static-prefill", "1",
+            "--prefill-gpus", "8", "--decode-gpus", "32", "--json", str(out)]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "ITL" in res.output and "TTFT" in res.output
+    assert "a role switch costs 300 s" in " ".join(res.output.split())  # horizon too short
+    rows = json.loads(out.read_text())["results"]
+    assert rows["static"]["itl_p50_s"] > 0 and rows["colocated"]["ttft_p99_s"] > 0
+    res = runner.invoke(app, ["simulate", "--preset", "h200-deepseek-v3", "--gpus", "32"])
+    assert res.exit_code == 2 and "fewer than two 32-GPU workers" in " ".join(res.output.split())
+    res = runner.invoke(app, ["simulate", "--preset", "h200-deepseek-v3", "--gpus", "64",
+                              "--decode-gpus", "12"])  # fmt: skip
+    assert res.exit_code == 2 and "divide" in res.output
