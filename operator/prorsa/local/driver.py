@@ -164,7 +164,7 @@ async def _complete(
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {data}")
             return data  # type: ignore[no-any-return]
-    except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError) as e:
+    except aiohttp.ClientConnectionError as e:  # refused, reset, or dropped mid-answer
         raise _Unreachable(f"{type(e).__name__}: {e}") from e
 
 

@@ -43,14 +43,12 @@ class Efficiency:
     activation_reserve_bytes: float = 4e9
 
 
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    hw: Hardware
-    model: ModelSpec
-    eff: Efficiency = Efficiency()
-    switch_mode: str = "routing"  # routing: drain only; restart: drain + engine restart
+class OneGPUWorker:
+    """What a worker of one GPU answers to the unit questions of `Cost`: one engine, one
+    rank, and a colocated step that fills the token budget its decodes leave."""
 
-    # ---- sizes ----------------------------------------------------------------------------
+    __slots__ = ()
+    eff: Efficiency
 
     @property
     def gpus_per_worker(self) -> int:
@@ -59,6 +57,19 @@ class CostModel:
     @property
     def dp_ranks(self) -> int:
         return 1
+
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
+        return max(min(self.eff.chunk_tokens - batch, queued), 16.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel(OneGPUWorker):
+    hw: Hardware
+    model: ModelSpec
+    eff: Efficiency = Efficiency()
+    switch_mode: str = "routing"  # routing: drain only; restart: drain + engine restart
+
+    # ---- sizes ----------------------------------------------------------------------------
 
     @property
     def kv_capacity_tokens(self) -> float:
@@ -123,10 +134,6 @@ class CostModel:
             + self.eff.step_overhead_s
             + self.eff.per_seq_overhead_s * batch
         )
-
-    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
-        """Prefill tokens a colocated step computes: the token budget left by the decodes."""
-        return max(min(self.eff.chunk_tokens - batch, queued), 16.0)
 
     def mixed_step_s(
         self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
@@ -200,7 +207,7 @@ class Cost(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class MeasuredCost:
+class MeasuredCost(OneGPUWorker):
     """A cost model fitted to a real worker instead of derived from a datasheet: prefill is a
     fixed cost plus tokens over a measured throughput, a decode step a measured base plus a
     per-sequence cost, a chunked-prefill step the two added. Used to check the simulator
@@ -228,17 +235,6 @@ class MeasuredCost:
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         return 0.0 if batch <= 0 else self.decode_base_s + self.decode_per_seq_s * batch
-
-    @property
-    def gpus_per_worker(self) -> int:
-        return 1
-
-    @property
-    def dp_ranks(self) -> int:
-        return 1
-
-    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
-        return max(min(self.eff.chunk_tokens - batch, queued), 16.0)
 
     def mixed_step_s(
         self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1

@@ -24,6 +24,8 @@ from prorsa.policy.capacity import RoleCapacity
 from prorsa.sim.costmodel import Efficiency
 from prorsa.sim.hardware import Hardware, ModelSpec, interp, low_latency_a2a_s, normal_a2a_bw
 
+_ONE_GPU = Efficiency()  # the shared constants, defined (with sources) in one place
+
 
 @dataclass(frozen=True, slots=True)
 class EPEfficiency:
@@ -41,11 +43,11 @@ class EPEfficiency:
     # compute-bound.
     decode_attn_bw_eff: float = 3000.0 / 3350.0
     decode_attn_flops_eff: float = 580.0 / 989.0
-    # Weight reads outside attention: ~85% of peak HBM bandwidth (as the one-GPU model).
-    bw_eff: float = 0.85
-    # Per step with CUDA graphs (vLLM V1 ~1-3 ms, as the one-GPU model) and per sequence.
-    graph_step_s: float = 0.002
-    per_seq_s: float = 20e-6
+    # Weight reads outside attention, per step with CUDA graphs and per sequence: the one-GPU
+    # model's figures (`Efficiency`, with their sources).
+    bw_eff: float = _ONE_GPU.bw_eff
+    graph_step_s: float = _ONE_GPU.step_overhead_s
+    per_seq_s: float = _ONE_GPU.per_seq_overhead_s
     # Without CUDA graphs every kernel is launched from the host. Derived: ~20 kernels per
     # layer (norms, projections, RoPE, attention, gate, top-k, dispatch, two grouped GEMMs,
     # activation, combine, shared expert, residuals) at ~5 us launch latency each.
@@ -56,16 +58,15 @@ class EPEfficiency:
     tbo_tokens: tuple[float, ...] = (32.0, 96.0, 256.0)
     tbo_gain: tuple[float, ...] = (0.73, 1.0, 1.255)
     # Tokens a rank computes per step. Prefill units: DeepSeek's profile runs 16K tokens per
-    # GPU. Colocated units: vLLM's max_num_batched_tokens on large GPUs (8192) per DP rank.
+    # GPU. Colocated units: vLLM's max_num_batched_tokens (the one-GPU model's) per DP rank.
     prefill_rank_tokens: int = 16384
-    mixed_rank_tokens: int = 8192
-    # Fraction of HBM for weights + KV (vLLM gpu_memory_utilization) and activation reserve.
-    gpu_mem_util: float = 0.9
-    activation_reserve_bytes: float = 4e9
-    # KV transfer between units: RDMA efficiency and per-transfer setup (as the one-GPU model).
-    link_eff: float = 0.8
-    transfer_setup_s: float = 0.002
-    prefill_overhead_s: float = 0.005  # per request: scheduling, first-token sampling
+    mixed_rank_tokens: int = _ONE_GPU.chunk_tokens
+    # Memory fractions, KV transfer and per-request overhead: as the one-GPU model.
+    gpu_mem_util: float = _ONE_GPU.gpu_mem_util
+    activation_reserve_bytes: float = _ONE_GPU.activation_reserve_bytes
+    link_eff: float = _ONE_GPU.link_eff
+    transfer_setup_s: float = _ONE_GPU.transfer_setup_s
+    prefill_overhead_s: float = _ONE_GPU.prefill_overhead_s
 
 
 def _tbo(e: EPEfficiency, tokens_per_rank: float) -> float:
