@@ -5,15 +5,19 @@ Prints figures, asserts nothing. Every ratio is against a baseline measured in t
     .venv/bin/python benchmarks/brain.py            # everything (~35 min on 2 cores)
     .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
     .venv/bin/python benchmarks/brain.py --only moe     # DeepSeek-V3, 128 H200, EP units
+    .venv/bin/python benchmarks/brain.py --only moe --moe-gpus 256 --prefix-pull off --seeds 1
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from prorsa.policy.allocate import (
@@ -29,8 +33,11 @@ from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.config import SimConfig, SimResult
+from prorsa.sim.costmodel import Cost, CostModel
 from prorsa.sim.engine import Simulator
+from prorsa.sim.lockstep import LockstepCost
 from prorsa.sim.presets import preset, role_preset
+from prorsa.sim.roles import RoleCosts
 from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
 
 
@@ -41,6 +48,7 @@ def table(
     preset_name: str,
     prefix_pull: bool = False,
     settings: AllocationSettings | None = None,
+    jobs: int = 1,
 ) -> None:
     cost = role_preset(preset_name)
     what_if = " · what-if: prefix pull" if prefix_pull else ""
@@ -58,7 +66,7 @@ def table(
             cfg = SimConfig(gpus=gpus, mode=mode, seed=0, prefix_pull=prefix_pull)  # type: ignore[arg-type]
             if settings is not None:
                 cfg = replace(cfg, settings=settings)
-            c = compare(cost, spec, cfg)
+            c = compare(cost, spec, cfg, jobs=jobs)
             r = c.results
 
             def fmt(name: str, r: dict[str, SimResult] = r, mode: str = mode) -> str:
@@ -279,21 +287,44 @@ def _cases(workloads: list[str], modes: list[str]) -> Iterator[tuple[str, Worklo
             yield wl, spec, mode
 
 
+def _score_of(cost: Cost | RoleCosts, spec: WorkloadSpec, cfg: SimConfig, policy: str) -> float:
+    return score(run_policy(cost, spec, cfg, policy))
+
+
+def _scores(
+    runs: Sequence[tuple[Cost | RoleCosts, WorkloadSpec, SimConfig, str]], jobs: int
+) -> list[float]:
+    """Independent seeded runs, in `jobs` processes."""
+    if jobs <= 1:
+        return [_score_of(*r) for r in runs]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_score_of, *zip(*runs, strict=True)))
+
+
 def seed_spread(
-    workloads: list[str], modes: list[str], gpus: int, preset_name: str, seeds: int
+    workloads: list[str],
+    modes: list[str],
+    gpus: int,
+    preset_name: str,
+    seeds: int,
+    settings: AllocationSettings | None = None,
+    jobs: int = 1,
 ) -> None:
     """How much of a ratio is the seed: predictive and reactive vs colocated over seeds."""
-    cost = preset(preset_name)
+    cost = role_preset(preset_name)
+    policies = ("colocated", "predictive", "reactive")
     print(f"## seed spread · {gpus} GPUs · {preset_name} · seeds 0-{seeds - 1}")
     print("| workload | mode | predictive vs colocated | reactive vs colocated |")
     print("|---|---|---|---|")
     for wl, spec, mode in _cases(workloads, modes):
+        cfg = SimConfig(gpus=gpus, mode=mode, settings=settings or AllocationSettings())  # type: ignore[arg-type]
+        runs = [(cost, spec, replace(cfg, seed=k), p) for k in range(seeds) for p in policies]
+        got = iter(_scores(runs, jobs))
         ratios: dict[str, list[float]] = {"predictive": [], "reactive": []}
-        for seed in range(seeds):
-            cfg = SimConfig(gpus=gpus, mode=mode, seed=seed)  # type: ignore[arg-type]
-            base = score(run_policy(cost, spec, cfg, "colocated"))
+        for _ in range(seeds):
+            by = dict(zip(policies, (next(got) for _ in policies), strict=True))
             for name, out in ratios.items():
-                out.append(base / score(run_policy(cost, spec, cfg, name)))
+                out.append(by["colocated"] / by[name])
 
         def span(xs: list[float]) -> str:
             return f"{min(xs):.3f}-{max(xs):.3f}x (median {statistics.median(xs):.3f})"
@@ -301,22 +332,36 @@ def seed_spread(
         print(f"| {wl} | {mode} | {span(ratios['predictive'])} | {span(ratios['reactive'])} |")
 
 
+def _nudged(cost: RoleCosts, k: int) -> RoleCosts:
+    """The colocated engine with its fixed per-step overhead nudged by k parts per million."""
+    c = cost.colocated
+    if isinstance(c, LockstepCost):
+        ep = replace(c.ep, graph_step_s=c.ep.graph_step_s * (1 + 1e-6 * k))
+        return replace(cost, colocated=replace(c, ep=ep))
+    assert isinstance(c, CostModel)
+    eff = replace(c.eff, step_overhead_s=c.eff.step_overhead_s * (1 + 1e-6 * k))
+    return RoleCosts.single(replace(c, eff=eff))
+
+
 def noise_floor(
-    workloads: list[str], modes: list[str], gpus: int, preset_name: str, runs: int
+    workloads: list[str],
+    modes: list[str],
+    gpus: int,
+    preset_name: str,
+    runs: int,
+    settings: AllocationSettings | None = None,
+    jobs: int = 1,
 ) -> None:
-    """How chaotic the rollout is: the same colocated run with the decode step's fixed
+    """How chaotic the rollout is: the same colocated run with the engine's fixed per-step
     overhead nudged by one part per million. Ratios between policies closer than this spread
     are not differences of policy."""
-    base = preset(preset_name)
+    base = role_preset(preset_name)
     print(f"## noise floor · colocated · {gpus} GPUs · {preset_name} · seed 0 · {runs} runs")
     print("| workload | mode | spread (max/min) | runs |")
     print("|---|---|---|---|")
     for wl, spec, mode in _cases(workloads, modes):
-        scores = []
-        for k in range(runs):
-            eff = replace(base.eff, step_overhead_s=base.eff.step_overhead_s * (1 + 1e-6 * k))
-            cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
-            scores.append(score(run_policy(replace(base, eff=eff), spec, cfg, "colocated")))
+        cfg = SimConfig(gpus=gpus, mode=mode, seed=0, settings=settings or AllocationSettings())  # type: ignore[arg-type]
+        scores = _scores([(_nudged(base, k), spec, cfg, "colocated") for k in range(runs)], jobs)
         spread = max(scores) / min(scores)
         shown = ", ".join(f"{s:.0f} s" if mode == "sync" else f"{1 / s:.1f}/min" for s in scores)
         print(f"| {wl} | {mode} | {spread:.3f}x | {shown} |")
@@ -338,22 +383,31 @@ def main() -> None:
     )
     ap.add_argument("--prefix-pull", choices=["on", "off"], default=None,
                     help="--only moe: one of the two tables (default: both)")  # fmt: skip
+    ap.add_argument("--moe-gpus", default="128", help="--only moe: comma-separated GPU counts")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="simulations in parallel processes (default: one per CPU)")  # fmt: skip
     a = ap.parse_args()
     if a.only in (None, "table"):
-        table(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset)
+        table(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, jobs=a.jobs)
     if a.only in (None, "moe"):
-        # The expert-parallel regime: DeepSeek-V3 on 128 H200, prefill EP8 / decode EP32
-        # engines (colocated: EP32), with and without the prefix-pull what-if. A switch
-        # restarts the engines (~300 s), so the horizon covers three of them.
-        # Predictive and reactive start from the static policy's default split (a quarter of
-        # the slots) instead of none: every switch costs an engine restart.
+        # The expert-parallel regime: DeepSeek-V3 on H200, prefill EP8 / decode EP32 engines
+        # (colocated: EP32), with and without the prefix-pull what-if. A switch restarts the
+        # engines (~300 s), so the horizon covers three of them. Predictive and reactive
+        # start with one prefill slot instead of none: every switch costs an engine restart.
         ep = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0, initial_prefill=1)
-        for pull in (False, True) if a.prefix_pull is None else (a.prefix_pull == "on",):
-            table(a.workloads.split(","), ["sync"], 128, "h200-deepseek-v3", pull, ep)
+        wls, modes = a.workloads.split(","), a.modes.split(",")
+        for gpus in (int(g) for g in a.moe_gpus.split(",")):
+            for pull in (False, True) if a.prefix_pull is None else (a.prefix_pull == "on",):
+                table(wls, modes, gpus, "h200-deepseek-v3", pull, ep, a.jobs)
+        if a.seeds > 1:  # at the first GPU count
+            gpus = int(a.moe_gpus.split(",")[0])
+            seed_spread(wls, modes, gpus, "h200-deepseek-v3", a.seeds, ep, a.jobs)
+            noise_floor(wls, modes, gpus, "h200-deepseek-v3", a.seeds, ep, a.jobs)
+    dense = (a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
     if a.only in (None, "seeds"):
-        seed_spread(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
+        seed_spread(*dense, jobs=a.jobs)
     if a.only in (None, "noise"):
-        noise_floor(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.seeds)
+        noise_floor(*dense, jobs=a.jobs)
     if a.only in (None, "decision"):
         decision_timing()
     if a.only in (None, "bigsim"):

@@ -149,6 +149,27 @@ def test_reactive_moves_one_worker_on_a_threshold() -> None:
     assert d.target == Allocation(3, 5)
 
 
+def test_reactive_gives_decode_priority_when_both_sides_are_hot() -> None:
+    """Prefilled requests cannot join a full decode pool: holding on "both hot" starved it."""
+    pol = ReactivePolicy(AllocationSettings(cooldown_s=0), CAP)
+    workers = [WorkerView(f"p{i}", Role.PREFILL, queued_prefill_tokens=100_000) for i in range(3)]
+    workers.append(WorkerView("d", Role.DECODE, kv_tokens=790_000.0))
+    d = pol.decide(ClusterView(tuple(workers)), None, 0.0)
+    assert d.target == Allocation(2, 2) and len(d.switches) == 1
+
+
+def test_reactive_waits_out_an_engine_restart_between_switches() -> None:
+    slow = replace(CAP, switch_s=300.0)
+    pol = ReactivePolicy(AllocationSettings(cooldown_s=10), slow)
+    hot_decode = view(4, 4, kv_tokens=750_000.0)
+    assert pol.decide(hot_decode, None, 0.0).switches
+    assert pol.decide(hot_decode, None, 590.0).reason.startswith("cooldown")
+    assert pol.decide(hot_decode, None, 601.0).switches
+    quick = ReactivePolicy(AllocationSettings(cooldown_s=10), CAP)
+    assert quick.decide(hot_decode, None, 0.0).switches
+    assert quick.decide(hot_decode, None, 11.0).switches
+
+
 def test_predictive_holds_until_it_has_seen_enough() -> None:
     pol = PredictivePolicy(AllocationSettings(cooldown_s=0, min_evidence=100), CAP)
     young = flat(prefill_tps=150_000, seqs=50)

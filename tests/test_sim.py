@@ -7,7 +7,7 @@ import pytest
 
 from prorsa.policy.allocate import AllocationSettings, Role, make_policy
 from prorsa.policy.lifecycle import EventType
-from prorsa.sim.compare import run_policy
+from prorsa.sim.compare import compare, run_policy
 from prorsa.sim.config import SimConfig
 from prorsa.sim.engine import Simulator
 from prorsa.sim.oracle import oracle_forecast
@@ -200,3 +200,23 @@ def test_a_colocated_cluster_is_a_decode_pool_without_a_prefill_pool() -> None:
     assert result.switches == 0
     assert result.makespan_s == colocated.makespan_s
     assert result.prefill_tokens_computed == colocated.prefill_tokens_computed
+
+
+def test_policies_simulated_in_parallel_give_the_results_of_one_process() -> None:
+    spec = load_workload("search")
+    cfg = SimConfig(gpus=4, mode="sync", seed=3, trajectories=48)
+    seen: dict[int, set[str]] = {1: set(), 2: set()}
+    runs = {
+        jobs: compare(
+            preset("h200"), spec, cfg, progress=lambda n, f, j=jobs: seen[j].add(n), jobs=jobs
+        )
+        for jobs in (1, 2)
+    }
+    one, two = runs[1], runs[2]
+    assert list(two.results) == list(one.results)
+    for name, r in one.results.items():
+        assert (two.results[name].makespan_s, two.results[name].label) == (r.makespan_s, r.label)
+    assert {p: r.makespan_s for p, r in two.static_sweep.items()} == {
+        p: r.makespan_s for p, r in one.static_sweep.items()
+    }
+    assert seen[2] == seen[1] and "predictive" in seen[1] and "static 0P" in seen[1]

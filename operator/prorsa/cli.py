@@ -110,6 +110,9 @@ def simulate(
     plot: Annotated[
         Path | None, typer.Option(help="write forecast vs allocation plot (PNG)")
     ] = None,
+    jobs: Annotated[
+        int, typer.Option(min=0, help="policies simulated in parallel (0: one per CPU)")
+    ] = 0,
 ) -> None:
     """Simulate one seeded rollout under each policy and compare them."""
     if mode not in ("sync", "async"):
@@ -169,7 +172,7 @@ def simulate(
                 tasks[name] = bar.add_task(name, total=1.0)
             bar.update(tasks[name], completed=frac)  # type: ignore[arg-type]
 
-        result = compare(cost, spec, config, policies, preset_name, progress)
+        result = compare(cost, spec, config, policies, preset_name, progress, jobs or _cpus())
     _print_table(result)
     if json_out is not None:
         result.write_json(json_out)
@@ -179,6 +182,10 @@ def simulate(
 
         plot_comparison(result, plot)
         err.print(f"wrote {plot}")
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _print_table(c: Comparison) -> None:

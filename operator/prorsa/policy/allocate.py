@@ -158,13 +158,17 @@ class Policy(ABC):
         p = max(min_p, min(a.prefill, n - min_d))
         return Allocation(p, n - p)
 
+    @property
+    def cooldown_s(self) -> float:
+        return self.settings.cooldown_s
+
     def decide(self, view: ClusterView, forecast: Forecast | None, now: float) -> Decision:
         current = view.allocation
         target, reason = self.target(view, forecast, now)
         target = self.clamp(target, len(view.workers))
         if target == current:
             return Decision(target, [], reason, forecast)
-        if now - self._last_switch_at < self.settings.cooldown_s:
+        if now - self._last_switch_at < self.cooldown_s:
             return Decision(current, [], f"cooldown (wanted {target}: {reason})", forecast)
         switches = plan_switches(view, target, self.settings.max_switches_per_decision)
         if switches:
@@ -252,6 +256,12 @@ class ReactivePolicy(Policy):
 
     name: str = "reactive"
 
+    @property
+    def cooldown_s(self) -> float:
+        """A threshold rule cannot see whether its last switch helped until that switch is
+        done: where a switch restarts engines, it waits at least that long between them."""
+        return max(self.settings.cooldown_s, 2.0 * self.capacity.switch_s)
+
     def target(
         self, view: ClusterView, forecast: Forecast | None, now: float
     ) -> tuple[Allocation, str]:
@@ -266,10 +276,12 @@ class ReactivePolicy(Policy):
         decode_hot = kv_util > s.reactive_kv_util_up
         decode_cold = kv_util < s.reactive_kv_util_down
         facts = f"prefill wait {wait:.2f}s, decode KV {kv_util:.0%}"
+        # Back-pressure: while decode KV is full, prefilled requests wait for room, so a
+        # hot decode side wins over a hot prefill queue (holding on "both hot" starved decode).
+        if decode_hot and cur.prefill > 0:
+            return replace(cur, prefill=cur.prefill - 1, decode=cur.decode + 1), f"{facts}: +D"
         if prefill_hot and not decode_hot:
             return replace(cur, prefill=cur.prefill + 1, decode=cur.decode - 1), f"{facts}: +P"
-        if decode_hot and not prefill_hot and cur.prefill > 0:
-            return replace(cur, prefill=cur.prefill - 1, decode=cur.decode + 1), f"{facts}: +D"
         if prefill_cold and not decode_cold and cur.prefill > 0:
             return replace(cur, prefill=cur.prefill - 1, decode=cur.decode + 1), f"{facts}: +D"
         return cur, f"{facts}: hold"

@@ -8,7 +8,9 @@ simulator's ground truth.
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,50 @@ class Comparison:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def _static_sweep(
+    cost: Cost | RoleCosts, spec: WorkloadSpec, cfg: SimConfig, progress: Progress | None
+) -> tuple[dict[int, SimResult], SimResult]:
+    """Every static split in turn (one task: the cutoff depends on the splits before it)."""
+    units = cfg.workers(role_costs(cost).slot_gpus(colocated=False))
+    splits = static_splits(units)
+    sweep: dict[int, SimResult] = {}
+    for p in splits:
+        c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
+        if sweep and cfg.mode == "sync":  # a split far behind the best is cut short
+            bound = _SWEEP_CUTOFF * min(r.makespan_s for r in sweep.values())
+            c = replace(c, max_sim_s=min(c.max_sim_s, bound))
+        try:
+            sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
+        except SimulationTooLong:
+            continue
+    best_p = min(sweep, key=lambda p: score(sweep[p]))
+    best = sweep[best_p]
+    best.label = f"static {best_p}P:{units - best_p}D (best of {len(splits)})"
+    return sweep, best
+
+
+def _task(
+    cost: Cost | RoleCosts,
+    spec: WorkloadSpec,
+    cfg: SimConfig,
+    policy: str,
+    progress: Progress | None,
+) -> tuple[dict[int, SimResult], SimResult]:
+    if policy == "static" and cfg.settings.static_prefill is None:
+        return _static_sweep(cost, spec, cfg, progress)
+    return {}, run_policy(cost, spec, cfg, policy, progress)
+
+
+def _queue_progress(queue: Any) -> Progress:
+    return lambda name, frac: queue.put((name, frac))
+
+
+def _task_in_pool(
+    cost: Cost | RoleCosts, spec: WorkloadSpec, cfg: SimConfig, policy: str, queue: Any
+) -> tuple[dict[int, SimResult], SimResult]:
+    return _task(cost, spec, cfg, policy, _queue_progress(queue) if queue is not None else None)
+
+
 def compare(
     cost: Cost | RoleCosts,
     spec: WorkloadSpec,
@@ -160,27 +206,38 @@ def compare(
     policies: Sequence[str] = ALL_POLICIES,
     preset_name: str = "",
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> Comparison:
+    """Each policy's run (the static sweep as one) is independent and seeded, so `jobs`
+    processes give the same results as one, sooner."""
     cfg = replace(config, per_gpu=batch_per_gpu(spec, cost)).resolved()
-    results: dict[str, SimResult] = {}
-    sweep: dict[int, SimResult] = {}
-    for policy in policies:
-        if policy == "static" and cfg.settings.static_prefill is None:
-            units = cfg.workers(role_costs(cost).slot_gpus(colocated=False))
-            splits = static_splits(units)
-            for p in splits:
-                c = replace(cfg, settings=replace(cfg.settings, static_prefill=p))
-                if sweep and cfg.mode == "sync":  # a split far behind the best is cut short
-                    bound = _SWEEP_CUTOFF * min(r.makespan_s for r in sweep.values())
-                    c = replace(c, max_sim_s=min(c.max_sim_s, bound))
-                try:
-                    sweep[p] = run_policy(cost, spec, c, "static", progress, f"static {p}P")
-                except SimulationTooLong:
-                    continue
-            best_p = min(sweep, key=lambda p: score(sweep[p]))
-            best = sweep[best_p]
-            best.label = f"static {best_p}P:{units - best_p}D (best of {len(splits)})"
-            results["static"] = best
-        else:
-            results[policy] = run_policy(cost, spec, cfg, policy, progress)
+    outcomes: dict[str, tuple[dict[int, SimResult], SimResult]] = {}
+    if jobs <= 1 or len(policies) <= 1:
+        for policy in policies:
+            outcomes[policy] = _task(cost, spec, cfg, policy, progress)
+    else:
+        outcomes = _in_processes(cost, spec, cfg, policies, progress, jobs)
+    results = {policy: outcomes[policy][1] for policy in policies}
+    sweep = next((s for s, _ in outcomes.values() if s), {})
     return Comparison(spec.name, cfg.mode, cfg.gpus, preset_name, cfg.seed, results, sweep)
+
+
+def _in_processes(
+    cost: Cost | RoleCosts,
+    spec: WorkloadSpec,
+    cfg: SimConfig,
+    policies: Sequence[str],
+    progress: Progress | None,
+    jobs: int,
+) -> dict[str, tuple[dict[int, SimResult], SimResult]]:
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Manager() as manager:
+        queue = manager.Queue() if progress is not None else None
+        with ProcessPoolExecutor(max_workers=min(jobs, len(policies)), mp_context=ctx) as pool:
+            futures = {pool.submit(_task_in_pool, cost, spec, cfg, p, queue): p for p in policies}
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                while queue is not None and progress is not None and not queue.empty():
+                    progress(*queue.get())
+            return {futures[f]: f.result() for f in futures}

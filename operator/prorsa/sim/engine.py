@@ -481,26 +481,25 @@ class Simulator:
             self._admit_pending(w)
 
     def _cache_put(self, w: SimWorker, traj_idx: int, tokens: int, pin: bool = False) -> None:
-        """Prefix cache, LRU. Sequences decoding on `w` are never evicted."""
+        """Prefix cache, LRU. `pin` while the sequence decodes on `w`: never evicted then."""
         old = w.cache.pop(traj_idx, None)
+        if old is None:
+            old = w.pinned.pop(traj_idx, None)
         if old is not None:
             w.cache_total -= old
-        w.cache[traj_idx] = tokens
+        (w.pinned if pin else w.cache)[traj_idx] = tokens
         w.cache_total += tokens
-        if w.cache_total <= w.kv_capacity:
+        need = w.cache_total - w.kv_capacity
+        if need <= 0:
             return
         victims = []
         freed = 0
-        need = w.cache_total - w.kv_capacity
         for k, v in w.cache.items():
             if freed >= need:
                 break
-            if k == traj_idx:
-                continue
-            if self.trajs[k].in_decode == w.idx:
-                continue
-            victims.append(k)
-            freed += v
+            if k != traj_idx:
+                victims.append(k)
+                freed += v
         for k in victims:
             w.cache_total -= w.cache.pop(k)
 
@@ -541,6 +540,7 @@ class Simulator:
         if restart > 0:
             w.restarting = True
             w.cache.clear()
+            w.pinned.clear()
             w.cache_total = 0
             self._push(self.now + restart, _SWITCH_DONE, w)
         self._reschedule(w)
@@ -616,7 +616,7 @@ class Simulator:
                 bad.append(f"{w.id}: negative count/incoming/queue/homed")
             if w.count != len(w.heap):
                 bad.append(f"{w.id}: batch count {w.count} != heap {len(w.heap)}")
-            if w.cache_total != sum(w.cache.values()):
+            if w.cache_total != sum(w.cache.values()) + sum(w.pinned.values()):
                 bad.append(f"{w.id}: cache total drifted")
             if w.queue_tokens != sum(j.compute for j in w.pq):
                 bad.append(f"{w.id}: queued tokens drifted")

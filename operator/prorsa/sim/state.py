@@ -79,7 +79,11 @@ class SimWorker:
         self.pending: deque[TrajRun] = deque()
         self.incoming = 0
         self.pulling = 0  # pool prefills waiting for their prefix KV (prefix-pull what-if)
+        # Prefix cache: `cache` is the LRU of evictable prefixes; `pinned` holds those of the
+        # sequences decoding here, which are never evicted (kept apart so eviction never scans
+        # a large running batch). `cache_total` counts both.
         self.cache: OrderedDict[int, int] = OrderedDict()
+        self.pinned: dict[int, int] = {}
         self.cache_total = 0
         self.homed = 0  # trajectories whose decode sticks to this worker
         self.last_t = 0.0
@@ -100,4 +104,5 @@ class SimWorker:
         return self.ctx_sum + self.count * self.G - self.gjoin_sum
 
     def cached(self, traj_idx: int) -> int:
-        return self.cache.get(traj_idx, 0)
+        c = self.cache.get(traj_idx)
+        return self.pinned.get(traj_idx, 0) if c is None else c
