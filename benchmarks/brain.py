@@ -11,6 +11,7 @@ Prints figures, asserts nothing. Every ratio is against a baseline measured in t
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import random
@@ -88,18 +89,20 @@ def table(
             if mode == "sync":
                 mapes[wl] = r["predictive"].forecast_mape
     if mapes:
-        print("\n## forecast error (weighted MAPE over a 60 s horizon, sync runs)")
+        horizon = (settings or AllocationSettings()).horizon_s
+        print(f"\n## forecast error (weighted MAPE over a {horizon:.0f} s horizon, sync runs)")
         print(
             "| workload | last prefill | ewma prefill | lifecycle prefill |"
             " last decode | ewma decode | lifecycle decode |"
         )
         print("|---|---|---|---|---|---|---|")
         for wl, m in mapes.items():
-            print(
-                f"| {wl} | {m['last']['prefill']:.1f}% | {m['ewma']['prefill']:.1f}% |"
-                f" {m['lifecycle']['prefill']:.1f}% | {m['last']['decode']:.1f}% |"
-                f" {m['ewma']['decode']:.1f}% | {m['lifecycle']['decode']:.1f}% |"
-            )
+            cells = [
+                "n/a" if math.isnan(x := m[f][k]) else f"{x:.1f}%"
+                for k in ("prefill", "decode")
+                for f in ("last", "ewma", "lifecycle")
+            ]
+            print(f"| {wl} | " + " | ".join(cells) + " |")
 
 
 class _RouterStream:

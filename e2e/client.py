@@ -1,14 +1,20 @@
-"""A small OpenAI-protocol client for the end-to-end tests (aiohttp; token ids requested)."""
+"""A small OpenAI-protocol client for the end-to-end tests (aiohttp; token ids requested),
+and an agent-like rollout that keeps it busy."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 MODEL = "tiny"
+VOCAB = 400  # token ids below the tiny tokenizer's vocabulary size
+TIMEOUT = aiohttp.ClientTimeout(total=300)
 
 
 @dataclass
@@ -75,3 +81,43 @@ async def metric(session: aiohttp.ClientSession, base: str, name: str) -> float:
         if line.startswith(name) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+class Rollout:
+    """Concurrent multi-turn trajectories: each turn appends the answer and an observation."""
+
+    def __init__(self, base: str, trajectories: int, seed: int = 1) -> None:
+        self.base = base
+        self.n = trajectories
+        self.rng = random.Random(seed)
+        self.turns: dict[str, list[Completion]] = defaultdict(list)
+        self.failures: list[tuple[str, Any]] = []
+        self.stop = asyncio.Event()
+
+    async def trajectory(self, s: aiohttp.ClientSession, slot: int) -> None:
+        gen = 0
+        while not self.stop.is_set():
+            traj, gen = f"sw-{slot}-{gen}", gen + 1
+            context = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randrange(20, 200))]
+            for turn in range(20):
+                c = await complete(s, self.base, context, 8, traj=traj, stream=slot % 5 == 4)
+                self.turns[traj].append(c)
+                if c.status != 200 or c.error or len(c.token_ids) != 8:
+                    self.failures.append((traj, c.error or c.status))
+                    break
+                if self.stop.is_set():
+                    break
+                hint = slot % 2 == 0
+                if hint:
+                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/tool_start", json={})
+                await asyncio.sleep(self.rng.uniform(0.02, 0.2))  # the tool runs
+                if hint:
+                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/tool_end")
+                obs = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randrange(5, 60))]
+                context = context + c.token_ids + obs
+                if turn == 19:
+                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/end")
+
+    @property
+    def total_turns(self) -> int:
+        return sum(len(v) for v in self.turns.values())

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from e2e.client import Completion, complete, metric
+from e2e.client import TIMEOUT, VOCAB, Completion, Rollout, complete, metric
 from e2e.conftest import KEYS
 from prorsa.control.switch import SwitchOutcome, switch
 from prorsa.events.schema import decode
@@ -25,9 +25,6 @@ from prorsa.local.registry import Registry
 from prorsa.local.stack import LocalStack
 from prorsa.policy.allocate import Role
 from prorsa.policy.lifecycle import EventType
-
-VOCAB = 400  # token ids below the tiny tokenizer's vocabulary size
-TIMEOUT = aiohttp.ClientTimeout(total=300)
 
 
 def prompts(n: int, seed: int = 7) -> list[list[int]]:
@@ -74,46 +71,6 @@ def test_greedy_equivalence_through_disaggregated_path(stack: LocalStack) -> Non
         assert pulls >= len(cases), f"only {pulls} NIXL pulls for {len(cases)} routed prompts"
 
     asyncio.run(main())
-
-
-class Rollout:
-    """Concurrent multi-turn trajectories: each turn appends the answer and an observation."""
-
-    def __init__(self, base: str, trajectories: int, seed: int = 1) -> None:
-        self.base = base
-        self.n = trajectories
-        self.rng = random.Random(seed)
-        self.turns: dict[str, list[Completion]] = defaultdict(list)
-        self.failures: list[tuple[str, Any]] = []
-        self.stop = asyncio.Event()
-
-    async def trajectory(self, s: aiohttp.ClientSession, slot: int) -> None:
-        gen = 0
-        while not self.stop.is_set():
-            traj, gen = f"sw-{slot}-{gen}", gen + 1
-            context = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randrange(20, 200))]
-            for turn in range(20):
-                c = await complete(s, self.base, context, 8, traj=traj, stream=slot % 5 == 4)
-                self.turns[traj].append(c)
-                if c.status != 200 or c.error or len(c.token_ids) != 8:
-                    self.failures.append((traj, c.error or c.status))
-                    break
-                if self.stop.is_set():
-                    break
-                hint = slot % 2 == 0
-                if hint:
-                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/tool_start", json={})
-                await asyncio.sleep(self.rng.uniform(0.02, 0.2))  # the tool runs
-                if hint:
-                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/tool_end")
-                obs = [self.rng.randrange(3, VOCAB) for _ in range(self.rng.randrange(5, 60))]
-                context = context + c.token_ids + obs
-                if turn == 19:
-                    await s.post(f"{self.base}/prorsa/v1/trajectories/{traj}/end")
-
-    @property
-    def total_turns(self) -> int:
-        return sum(len(v) for v in self.turns.values())
 
 
 def test_live_role_switching_loses_nothing(stack: LocalStack) -> None:

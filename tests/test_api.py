@@ -61,7 +61,7 @@ def test_subresources_columns_and_names() -> None:
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
     assert "status" in version["subresources"]
     names = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert names == ["Policy", "Prefill", "Decode", "Ready", "Phase", "Age"]
+    assert names == ["Policy", "Prefill", "Decode", "P-GPUs", "D-GPUs", "Ready", "Phase", "Age"]
     rules = _schema()["properties"]["spec"]["x-kubernetes-validations"]
     assert any("minPrefill + self.allocation.minDecode" in r["rule"] for r in rules)
 
@@ -133,6 +133,25 @@ GOOD = [
         "router": {"replicas": 2, "serviceType": "LoadBalancer"},
         "trainer": {"template": {"spec": {"containers": [{"name": "t", "image": "trainer"}]}}},
     },
+    {  # stage-specific parallelism: MoE prefill DP8/EP8 and decode TP2 x DP4/EP8 engines
+        "model": {"name": "deepseek-ai/DeepSeek-V3"},
+        "workers": {"replicas": 4, "gpusPerWorker": 8, "expertParallel": True,
+                    "prefill": {"dataParallelSize": 8,
+                                "engineArgs": ["--max-num-batched-tokens", "16384"]},
+                    "decode": {"tensorParallelSize": 2, "engineArgs": ["--max-num-seqs", "256"]}},
+        "kvTransfer": {"switchMode": "restart"},
+        "allocation": {"capacityModel": "h200-deepseek-v3"},
+    },
+    {  # engines spanning nodes: prefill units of 4 nodes, decode units of 8 (two per slot)
+        "model": {"name": "deepseek-ai/DeepSeek-V3"},
+        "workers": {"replicas": 2, "gpusPerWorker": 64, "dataParallelSize": 64,
+                    "expertParallel": True, "prefill": {"gpusPerWorker": 32}},
+        "kvTransfer": {"switchMode": "restart"},
+    },
+    {  # the same engine configured twice over is not stage-specific: routing stays allowed
+        "model": {"name": "m"},
+        "workers": {"gpusPerWorker": 2, "prefill": {"gpusPerWorker": 2}},
+    },
 ]  # fmt: skip
 
 
@@ -187,6 +206,32 @@ BAD_CROSS_FIELD = [  # valid field by field; the CEL rules (and the models) refu
      "capacityModel .*gpusPerWorker"),
     ({"model": {"name": "m"}, "workers": {"replicas": 4}, "allocation": {"initialPrefill": 4}},
      "initialPrefill .*must leave"),
+    ({"model": {"name": "m"}, "workers": {"engineArgs": ["--data-parallel-size=2"]}},
+     "workers.engineArgs must not set.*--data-parallel-size"),
+    ({"model": {"name": "m"}, "workers": {"decode": {"engineArgs": ["-tp", "2"]}},
+      "kvTransfer": {"switchMode": "restart"}}, "workers.decode.engineArgs must not set.*-tp"),
+    ({"model": {"name": "m"}, "workers": {"prefill": {"engineArgs": ["--max-num-seqs", "8"]}}},
+     "kvTransfer.switchMode routing"),
+    ({"model": {"name": "m"}, "workers": {"decode": {"expertParallel": True}}},
+     "kvTransfer.switchMode routing"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 8, "tensorParallelSize": 4,
+                                          "dataParallelSize": 4}},
+     "workers: tensorParallelSize x pipelineParallelSize x dataParallelSize .4 x 1 x 4 = 16"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 4, "decode": {"tensorParallelSize": 3}},
+      "kvTransfer": {"switchMode": "restart"}}, "workers.decode: tensorParallelSize"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 16, "tensorParallelSize": 16}},
+     "workers: an engine of 16 GPUs spans nodes"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 8, "prefill": {"gpusPerWorker": 4}},
+      "kvTransfer": {"switchMode": "restart"}}, "workers.prefill.gpusPerWorker .4. must tile"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 24, "prefill": {"gpusPerWorker": 16}},
+      "kvTransfer": {"switchMode": "restart"}}, "workers.prefill.gpusPerWorker .16. must tile"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 8, "decode": {"gpusPerWorker": 16,
+      "tensorParallelSize": 16}}, "kvTransfer": {"switchMode": "restart"}},
+     "workers.decode: an engine of 16 GPUs"),
+    ({"model": {"name": "m"}, "workers": {"gpusPerWorker": 8, "decode": {"gpusPerWorker": 16,
+      "dataParallelSize": 16}}, "kvTransfer": {"switchMode": "restart"},
+      "allocation": {"capacityModel": "h100-deepseek-v3"}},
+     "capacityModel h100-deepseek-v3 .*workers.gpusPerWorker .8. must be a multiple of 16"),
 ]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from prorsa.api.models import KIND, parse_spec
 from prorsa.kube import builders as b
-from test_api import crd_valid
+from test_api import cel_failures, crd_valid
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -33,6 +33,7 @@ def test_every_example_manifest_is_valid(name: str) -> None:
     for doc in docs(name):
         if doc["kind"] == KIND:
             assert crd_valid(doc["spec"]), f"{name}: the CRD schema refuses it"
+            assert cel_failures(doc["spec"]) == [], f"{name}: the CRD's CEL rules refuse it"
             parse_spec(doc["spec"])  # the models (and the cross-field rules) accept it
         else:
             kubernetes_validate.validate(doc, "1.37.0", strict=True)
@@ -75,3 +76,13 @@ def test_the_byo_redis_example_ships_the_secret_it_references() -> None:
     assert spec.redis.passwordSecretRef is not None and not spec.redis.managed
     assert spec.redis.passwordSecretRef.name == secret["metadata"]["name"]
     assert spec.redis.passwordSecretRef.key in secret["stringData"]
+
+
+def test_the_expert_parallel_example_runs_stage_specific_engines() -> None:
+    from prorsa.policy.allocate import Role
+
+    w = parse_spec(cluster("deepseek-v3-ep.yaml")["spec"]).workers
+    prefill, decode = w.layout(Role.PREFILL), w.layout(Role.DECODE)
+    assert (prefill.gpus, prefill.data, prefill.expert) == (32, 32, True)
+    assert (decode.gpus, decode.data, decode.expert) == (64, 64, True)
+    assert w.slot_gpus * w.replicas == 128 and w.staged

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from prorsa.api.models import parse_spec
 from prorsa.kube import builders as b
 from prorsa.kube import labels as L
@@ -54,7 +56,9 @@ def test_worker_pods_read_their_role_from_their_own_labels() -> None:
     # the agent parses exactly what the kubelet writes for those labels
     written = "\n".join(f'{k}="{v}"' for k, v in pod["metadata"]["labels"].items())
     assert parse_labels(written)[L.ROLE] == "prefill"
-    assert args[-4:] == ["--tensor-parallel-size", "2", "--max-model-len", "32768"]
+    role_args = json.loads(args[args.index("--role-args") + 1])
+    for role in ("prefill", "decode", "mixed"):
+        assert role_args[role] == ["--tensor-parallel-size", "2", "--max-model-len", "32768"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert pod["metadata"]["annotations"][L.PORT] == "8000"
     assert "$(POD_IP)" in args and pod["spec"]["tolerations"] == [
@@ -98,3 +102,38 @@ def test_the_trainer_pod_is_the_users_template_wired_to_the_endpoint() -> None:
     assert env["OPENAI_API_KEY"]["value"] == "mine"  # the user's own setting wins
     without = b.children("rc", "ns", "uid", parse_spec({"model": {"name": "m"}}), [])
     assert not [o for o in without if o["metadata"]["name"] == "rc-trainer"]
+
+
+STAGED = parse_spec({
+    "model": {"name": "deepseek-ai/DeepSeek-V3"},
+    "workers": {"replicas": 4, "gpusPerWorker": 8, "expertParallel": True,
+                "engineArgs": ["--max-model-len", "65536"],
+                "prefill": {"dataParallelSize": 8,
+                            "engineArgs": ["--max-num-batched-tokens", "16384"]},
+                "decode": {"dataParallelSize": 4, "tensorParallelSize": 2,
+                           "engineArgs": ["--max-num-seqs", "256"]}},
+    "kvTransfer": {"switchMode": "restart"},
+    "allocation": {"capacityModel": "h200-deepseek-v3"},
+})  # fmt: skip
+
+
+def test_each_role_runs_its_own_engine_and_the_agent_gets_them_all() -> None:
+    from prorsa.worker.engine import EngineSpec, command, parse_role_args, restart_needed
+
+    pods = [o for o in b.children("ds", "team", "u", STAGED, [Role.PREFILL, Role.DECODE])
+            if o["kind"] == "Pod"]  # fmt: skip
+    c = pods[0]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    per_role = parse_role_args(c["args"][c["args"].index("--role-args") + 1])
+    assert per_role[Role.PREFILL] == ("--data-parallel-size", "8", "--enable-expert-parallel",
+                                      "--max-model-len", "65536", "--max-num-batched-tokens",
+                                      "16384")  # fmt: skip
+    assert per_role[Role.DECODE] == ("--tensor-parallel-size", "2", "--data-parallel-size", "4",
+                                     "--enable-expert-parallel", "--max-model-len", "65536",
+                                     "--max-num-seqs", "256")  # fmt: skip
+    engine = EngineSpec(model="m", role_args=per_role)
+    argv, _ = command(engine, Role.DECODE)
+    assert argv[-len(per_role[Role.DECODE]) :] == list(per_role[Role.DECODE])
+    assert restart_needed(engine, Role.PREFILL, Role.DECODE)
+    same = EngineSpec(model="m", role_args={r: per_role[Role.DECODE] for r in Role})
+    assert not restart_needed(same, Role.PREFILL, Role.DECODE)  # routing: kv_both, same args

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -362,6 +363,57 @@ def test_an_invalid_edit_of_a_running_cluster_changes_nothing(redis_url: str) ->
                 await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "edited", {"spec": {
                     "workers": {"replicas": 3, "engineArgs": []}}})  # fmt: skip
                 await until(lambda: has_workers(api, "edited", 3), 30, "the valid edit applied")
+
+    asyncio.run(main())
+
+
+def test_roles_with_their_own_engines_get_them_and_multi_node_engines_are_refused(
+    redis_url: str,
+) -> None:
+    """Stage-specific parallelism through the operator: each pod carries every role's vLLM
+    arguments and the worker's GPUs, the status each role's engine size; engines wider than a
+    node (LeaderWorkerSet) are refused with a condition, not half-built."""
+
+    async def main() -> None:
+        async with kmock_api() as api:
+            await api.create(rcl("staged", {
+                "model": {"name": "m"}, "redis": {"url": redis_url},
+                "workers": {"replicas": 2, "gpusPerWorker": 4, "expertParallel": True,
+                            "prefill": {"dataParallelSize": 4},
+                            "decode": {"engineArgs": ["--max-num-seqs", "512"]}},
+                "kvTransfer": {"switchMode": "restart"},
+                "allocation": {"policy": "static", "staticPrefill": 1},
+            }))  # fmt: skip
+            await api.create(rcl("wide", {
+                "model": {"name": "m"}, "redis": {"url": redis_url},
+                "workers": {"replicas": 2, "gpusPerWorker": 16, "dataParallelSize": 16},
+            }))  # fmt: skip
+            async with running_operator():
+                await until(lambda: has_workers(api, "staged", 2), 20, "two workers")
+                for pod in await worker_pods(api, "staged"):
+                    c = pod["spec"]["containers"][0]
+                    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+                    per_role = json.loads(c["args"][c["args"].index("--role-args") + 1])
+                    assert per_role["prefill"] == ["--data-parallel-size", "4",
+                                                   "--enable-expert-parallel"]  # fmt: skip
+                    assert per_role["decode"] == ["--tensor-parallel-size", "4",
+                                                  "--enable-expert-parallel",
+                                                  "--max-num-seqs", "512"]  # fmt: skip
+
+                async def sized() -> bool:
+                    st = await rcl_status(api, "staged")
+                    return (st.get("prefillUnitGPUs"), st.get("decodeUnitGPUs")) == (4, 4)
+
+                await until(sized, 20, "each role's engine size in the status")
+
+                async def refused() -> bool:
+                    st = await rcl_status(api, "wide")
+                    return any(c["type"] == "Degraded" and c["reason"] == "Unsupported"
+                               and "LeaderWorkerSet" in c["message"]
+                               for c in st.get("conditions") or [])  # fmt: skip
+
+                await until(refused, 20, "the multi-node refusal")
+                assert await worker_pods(api, "wide") == []
 
     asyncio.run(main())
 

@@ -40,7 +40,7 @@ MAX_BODY = 256 * 1024
 async def _worker_turn(request: web.Request) -> web.StreamResponse:
     """What vLLM answers: 400 for what it would refuse, a (streamed) completion otherwise."""
     body = await request.json()
-    if body.get("max_tokens", 1) > 4096:
+    if (body.get("max_tokens") or 1) > 4096:  # null: the engine's default, as in vLLM
         err = {
             "error": {
                 "message": "max_tokens too large",

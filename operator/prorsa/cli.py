@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import replace
@@ -184,6 +185,10 @@ def simulate(
         err.print(f"wrote {plot}")
 
 
+def _pct(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.0f}%"
+
+
 def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -226,7 +231,7 @@ def _print_table(c: Comparison) -> None:
     if pred is not None:
         m = pred.forecast_mape
         line = ", ".join(
-            f"{k} prefill {v['prefill']:.0f}% decode {v['decode']:.0f}%" for k, v in m.items()
+            f"{k} prefill {_pct(v['prefill'])} decode {_pct(v['decode'])}" for k, v in m.items()
         )
         out.print(f"forecast error (weighted MAPE over the horizon): {line}")
     if len(c.results) > 1:
@@ -290,6 +295,14 @@ def worker(
     probe_port: Annotated[int, typer.Option(help="agent /healthz and /readyz (0: off)")] = 0,
     log_file: Annotated[Path | None, typer.Option(help="write vLLM's output here")] = None,
     drain_timeout: Annotated[float, typer.Option(help="seconds to drain on SIGTERM")] = 120.0,
+    role_args: Annotated[
+        str,
+        typer.Option(
+            help='vLLM arguments per role, after the shared ones, as JSON: {"prefill": '
+            '["--max-num-batched-tokens", "8192"], "decode": [...]}; a switch between roles '
+            "whose arguments differ restarts the engine"
+        ),
+    ] = "",
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
     """Run one vLLM worker in its role (extra arguments after -- go to vLLM)."""
@@ -298,7 +311,13 @@ def worker(
 
     from prorsa.policy.allocate import Role
     from prorsa.worker.agent import Agent, AgentConfig
-    from prorsa.worker.engine import Connector, EngineSpec, SwitchMode, model_exists
+    from prorsa.worker.engine import (
+        Connector,
+        EngineSpec,
+        SwitchMode,
+        model_exists,
+        parse_role_args,
+    )
     from prorsa.worker.roles import FileRoleSource, FixedRoleSource, RegistryRoleSource, RoleSource
 
     _logging(log_level)
@@ -317,6 +336,7 @@ def worker(
             cpu_cores=cpu_cores or None,
             kv_cache_gib=kv_cache_gib or None,
             extra_args=tuple(ctx.args),
+            role_args=parse_role_args(role_args) if role_args else {},
         )
     except ValueError as e:
         raise _fail(str(e)) from None

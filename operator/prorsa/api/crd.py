@@ -95,6 +95,8 @@ def crd() -> dict[str, Any]:
         ("Policy", "string", ".spec.allocation.policy"),
         ("Prefill", "integer", ".status.prefill"),
         ("Decode", "integer", ".status.decode"),
+        ("P-GPUs", "integer", ".status.prefillUnitGPUs"),
+        ("D-GPUs", "integer", ".status.decodeUnitGPUs"),
         ("Ready", "integer", ".status.ready"),
         ("Phase", "string", ".status.phase"),
     ]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from prorsa.policy.allocate import AllocationSettings
+from prorsa.policy.allocate import AllocationSettings, Role
+from prorsa.worker.engine import PARALLEL_FLAGS, EngineLayout
 
 GROUP = "prorsa.io"
 VERSION = "v1alpha1"
@@ -51,9 +52,12 @@ class Resources(_Model):
 
 
 # Engine flags the operator (through `prorsa worker`) sets itself; a user value would either
-# be overridden silently or break the KV transfer and the probes.
+# be overridden silently, break the KV transfer and the probes, or hide a unit's size from
+# the allocator (the parallel sizes are typed fields).
 OPERATOR_ENGINE_FLAGS = ("--model", "--host", "--port", "--served-model-name",
-                         "--kv-transfer-config")  # fmt: skip
+                         "--kv-transfer-config", *PARALLEL_FLAGS)  # fmt: skip
+_SHOWN_FLAGS = "--model, --host, --port, --served-model-name, --kv-transfer-config, the " \
+    "parallel sizes (-tp, -pp, -dp, -ep and their long forms)"  # fmt: skip
 
 
 def _owned_flag(arg: str) -> str | None:
@@ -61,37 +65,162 @@ def _owned_flag(arg: str) -> str | None:
     return flag if flag in OPERATOR_ENGINE_FLAGS else None
 
 
-class Workers(_Model):
-    replicas: int = Field(default=2, ge=1, le=4096, description="Worker pods (one engine each).")
-    gpusPerWorker: int = Field(default=1, ge=1, le=16, description="GPUs per worker pod.")
+EngineArgs = list[Annotated[str, Field(max_length=1024)]]
+
+
+def _check_engine_args(where: str, args: list[str] | None) -> None:
+    owned = [f for f in map(_owned_flag, args or []) if f]
+    if owned:
+        raise ValueError(f"{where}.engineArgs must not set {', '.join(owned)}: the operator "
+                         "sets it (use model.name, model.servedName, workers.port, kvTransfer, "
+                         "or the typed parallel sizes)")  # fmt: skip
+
+
+class Parallelism(_Model):
+    """An engine's parallel layout (vLLM's sizes). Unset sizes are derived: tensor parallel
+    fills a node's share of the unit, data parallel the rest; their product is the unit."""
+
+    tensorParallelSize: int | None = Field(
+        default=None, ge=1, le=64, description="vLLM --tensor-parallel-size."
+    )
+    pipelineParallelSize: int | None = Field(
+        default=None, ge=1, le=64, description="vLLM --pipeline-parallel-size."
+    )
+    dataParallelSize: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="vLLM --data-parallel-size: data-parallel attention ranks of one engine.",
+    )  # fmt: skip
+    expertParallel: bool | None = Field(
+        default=None,
+        description="vLLM --enable-expert-parallel: MoE experts spread over all ranks of the "
+        "engine (EP size = data x tensor parallel).",
+    )
+
+
+class RoleWorkers(Parallelism):
+    """What one role changes of the shared `workers` settings (unset: the shared value)."""
+
+    gpusPerWorker: int | None = Field(default=None, ge=1, le=1024,
+                                      description="GPUs of this role's engine.")  # fmt: skip
+    engineArgs: EngineArgs = Field(
+        default_factory=list, max_length=128,
+        description="vLLM arguments added after workers.engineArgs for this role only "
+        "(for a flag in both, this role's value wins).",
+    )  # fmt: skip
+
+
+class Workers(Parallelism):
+    replicas: int = Field(default=2, ge=1, le=4096, description=(
+        "Workers: engine units, one pod each, or one LeaderWorkerSet group each where a unit "
+        "spans several nodes."))  # fmt: skip
+    gpusPerWorker: int = Field(default=1, ge=1, le=1024, description="GPUs per engine.")
+    gpusPerNode: int = Field(
+        default=8, ge=1, le=64,
+        description="GPUs of one node: an engine of more spans several pods (a LeaderWorkerSet).",
+    )  # fmt: skip
     image: str = Field(default=DEFAULT_WORKER_IMAGE, min_length=1,
                        description="vLLM worker image with prorsa installed.")  # fmt: skip
-    engineArgs: list[Annotated[str, Field(max_length=1024)]] = Field(
+    engineArgs: EngineArgs = Field(
         default_factory=list, max_length=128,
-        description="Extra vLLM engine arguments (not those the operator sets: "
-        + ", ".join(OPERATOR_ENGINE_FLAGS) + ").",
+        description=f"Extra vLLM engine arguments (not those the operator sets: {_SHOWN_FLAGS}).",
     )  # fmt: skip
     port: int = Field(default=8000, ge=1, le=65535, description="vLLM HTTP port.")
     resources: Resources = Field(
         default_factory=Resources,
-        description="Worker container resources; nvidia.com/gpu defaults to gpusPerWorker.",
+        description="Worker container resources; nvidia.com/gpu defaults to the pod's GPUs.",
     )
-
-    @field_validator("engineArgs")
-    @classmethod
-    def _not_owned(cls, args: list[str]) -> list[str]:
-        owned = [f for f in map(_owned_flag, args) if f]
-        if owned:
-            raise ValueError(f"workers.engineArgs must not set {', '.join(owned)}: the operator "
-                             "sets it (use model.name, model.servedName, workers.port, "
-                             "kvTransfer)")  # fmt: skip
-        return args
-
+    prefill: RoleWorkers | None = Field(
+        default=None,
+        description="Prefill engines' own GPUs, parallelism, arguments (stage-specific).",
+    )
+    decode: RoleWorkers | None = Field(
+        default=None, description="Decode engines' own GPUs, parallelism, arguments."
+    )
     nodeSelector: dict[str, str] = Field(default_factory=dict,
                                          description="Node labels the workers need.")  # fmt: skip
     tolerations: list[FreeForm] = Field(default_factory=list,
                                         description="Worker pod tolerations.")  # fmt: skip
     affinity: FreeForm | None = Field(default=None, description="Worker pod affinity.")
+
+    @model_validator(mode="after")
+    def _engines_fit(self) -> Workers:
+        _check_engine_args("workers", self.engineArgs)
+        for role in (Role.PREFILL, Role.DECODE):
+            if (own := self.override(role)) is not None:
+                _check_engine_args(f"workers.{role.value}", own.engineArgs)
+        layouts = {r: self.layout(r) for r in Role}  # raises, naming the role's block
+        slot = self.slot_gpus
+        for role in (Role.PREFILL, Role.DECODE):
+            g = layouts[role].gpus
+            if slot % g or (g < slot and g % self.gpusPerNode):
+                raise ValueError(
+                    f"{self._where(role)}.gpusPerWorker ({g}) must tile a worker of {slot} GPUs "
+                    "(the largest role's engine; a worker switches roles in place): divide it, "
+                    f"in whole nodes of workers.gpusPerNode ({self.gpusPerNode})"
+                )
+        return self
+
+    def override(self, role: Role) -> RoleWorkers | None:
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode}.get(role)
+
+    def _where(self, role: Role) -> str:
+        return f"workers.{role.value}" if self.override(role) is not None else "workers"
+
+    def _pick(self, role: Role, name: str) -> Any:
+        """The role's own value, else the shared one; a role with GPUs of its own derives
+        its parallel sizes from them instead of taking the shared sizes."""
+        own = self.override(role)
+        value = getattr(own, name) if own is not None else None
+        if value is None and own is not None and own.gpusPerWorker is not None \
+                and name in _SIZES:  # fmt: skip
+            return None
+        return getattr(self, name) if value is None else value
+
+    def role_settings(self, role: Role) -> tuple[Any, ...]:
+        """What the user set for `role`'s engine, before sizes are derived (unset sizes as
+        0, like the CEL rule that compares them)."""
+        own = self.override(role)
+        return (int(self._pick(role, "gpusPerWorker")),
+                self._pick(role, "tensorParallelSize") or 0,
+                self._pick(role, "pipelineParallelSize") or 1,
+                self._pick(role, "dataParallelSize") or 0,
+                bool(self._pick(role, "expertParallel")),
+                list(own.engineArgs) if own is not None else [])  # fmt: skip
+
+    def layout(self, role: Role) -> EngineLayout:
+        """The engine a worker runs in `role` (mixed: the shared settings). Unset sizes are
+        derived: tensor parallel fills the node's share, data parallel the rest."""
+        gpus = int(self._pick(role, "gpusPerWorker"))
+        pp = self._pick(role, "pipelineParallelSize") or 1
+        tp, dp = self._pick(role, "tensorParallelSize"), self._pick(role, "dataParallelSize")
+        if tp is None and dp is None:
+            tp = max(1, min(gpus, self.gpusPerNode) // pp)
+        elif tp is None:
+            tp = max(1, gpus // (dp * pp))
+        if dp is None:
+            dp = max(1, gpus // (tp * pp))
+        if tp * pp * dp != gpus:
+            raise ValueError(f"{self._where(role)}: tensorParallelSize x pipelineParallelSize x "
+                             f"dataParallelSize ({tp} x {pp} x {dp} = {tp * pp * dp}) must "
+                             f"equal gpusPerWorker ({gpus})")  # fmt: skip
+        if gpus > self.gpusPerNode and (gpus % self.gpusPerNode or self.gpusPerNode % (tp * pp)):
+            raise ValueError(f"{self._where(role)}: an engine of {gpus} GPUs spans nodes of "
+                             f"workers.gpusPerNode ({self.gpusPerNode}): it needs whole nodes and "
+                             f"tensor x pipeline parallel ({tp * pp}) dividing a node, so that "
+                             "its data-parallel ranks split evenly over them")  # fmt: skip
+        own = self.override(role)
+        args = (*self.engineArgs, *(own.engineArgs if own is not None else ()))
+        return EngineLayout(gpus, tp, pp, dp, bool(self._pick(role, "expertParallel")), args)
+
+    @property
+    def slot_gpus(self) -> int:
+        """GPUs of one worker: the larger role's engine (the smaller runs several in it)."""
+        return max(self.layout(Role.PREFILL).gpus, self.layout(Role.DECODE).gpus)
+
+    @property
+    def staged(self) -> bool:
+        """Whether prefill and decode engines are configured apart (stage-specific)."""
+        return self.role_settings(Role.PREFILL) != self.role_settings(Role.DECODE)
 
 
 class KVTransfer(_Model):
@@ -258,10 +387,16 @@ class RolloutClusterSpec(_Model):
             raise ValueError(f"allocation.staticPrefill ({a.staticPrefill}) must leave a "
                              f"decode worker (< workers.replicas = {n})")  # fmt: skip
         unit = UNIT_GPUS.get(a.capacityModel)
-        if unit is not None and self.workers.gpusPerWorker != unit:
-            raise ValueError(f"allocation.capacityModel {a.capacityModel} describes engine "
-                             f"units of {unit} GPUs: set workers.gpusPerWorker to {unit} "
-                             f"(not {self.workers.gpusPerWorker})")  # fmt: skip
+        for role in Role:
+            g = self.workers.layout(role).gpus
+            if unit is not None and g % unit:
+                raise ValueError(f"allocation.capacityModel {a.capacityModel} describes engine "
+                                 f"units of {unit} GPUs: {self.workers._where(role)}.gpusPerWorker "
+                                 f"({g}) must be a multiple of {unit}")  # fmt: skip
+        if self.kvTransfer.switchMode == "routing" and self.workers.staged:
+            raise ValueError("kvTransfer.switchMode routing switches a worker's role without "
+                             "restarting its engine, but workers.prefill and workers.decode "
+                             "configure their engines apart: use switchMode restart")  # fmt: skip
         if a.initialPrefill is not None and a.initialPrefill > n - a.minDecode:
             raise ValueError(f"allocation.initialPrefill ({a.initialPrefill}) must leave "
                              f"allocation.minDecode ({a.minDecode}) decode workers of "
@@ -279,6 +414,66 @@ class RolloutClusterSpec(_Model):
 
 # GPUs per engine unit of the expert-parallel capacity models (the simulator's presets).
 UNIT_GPUS = {"h200-deepseek-v3": 8, "h100-deepseek-v3": 16, "h200-qwen3-235b": 8}
+
+_SIZES = ("tensorParallelSize", "pipelineParallelSize", "dataParallelSize")
+
+
+# ---- CEL expressions mirroring `Workers.layout` (the API server has no pydantic) -------------
+
+_OWNED_RE = "^(" + "|".join(OPERATOR_ENGINE_FLAGS) + ")(=.*)?$"
+_CEL_SETTINGS = ("gpusPerWorker", "tensorParallelSize", "pipelineParallelSize",
+                 "dataParallelSize", "expertParallel", "engineArgs")  # fmt: skip
+_CEL_UNSET = {"gpusPerWorker": "1", "tensorParallelSize": "0", "pipelineParallelSize": "1",
+              "dataParallelSize": "0", "expertParallel": "false"}  # fmt: skip
+
+
+def _cel_pick(role: str | None, field: str, unset: str) -> str:
+    """The role's value of `field`, else the shared one, else `unset`."""
+    shared = f"(has(self.workers.{field}) ? self.workers.{field} : {unset})"
+    if role is None:
+        return shared
+    r = f"self.workers.{role}"
+    if field in _SIZES:  # a role with GPUs of its own derives its sizes from them
+        shared = f"(has({r}) && has({r}.gpusPerWorker) ? {unset} : {shared})"
+    return f"(has({r}) && has({r}.{field}) ? {r}.{field} : {shared})"
+
+
+def _cel_setting(role: str, field: str) -> str:
+    if field == "engineArgs":  # the role's own arguments (the shared ones are common)
+        r = f"self.workers.{role}"
+        return f"(has({r}) && has({r}.engineArgs) ? {r}.engineArgs : [])"
+    return _cel_pick(role, field, _CEL_UNSET[field])
+
+
+def _let(name: str, value: str, body: str) -> str:
+    """CEL has no `let` here (cel.bind is not everywhere): a one-element list binds it."""
+    return f"[{value}].all({name}, {body})"
+
+
+_NODE = "(has(self.workers.gpusPerNode) ? self.workers.gpusPerNode : 8)"
+_ROLE_BLOCKS = ((None, "workers"), ("prefill", "workers.prefill"), ("decode", "workers.decode"))
+
+
+def _cel_layout_ok(role: str | None) -> str:
+    product = ("((tp > 0 && dp > 0) ? tp * pp * dp == g : (tp > 0 ? g % (tp * pp) == 0 : "
+               "(dp > 0 ? g % (dp * pp) == 0 : m % pp == 0 && g % m == 0)))")  # fmt: skip
+    tp_eff = "(tp > 0 ? tp : (dp > 0 ? g / (dp * pp) : m / pp))"
+    nodes = f"(g <= n || (g % n == 0 && {tp_eff} * pp > 0 && n % ({tp_eff} * pp) == 0))"
+    body = _let("m", "(g < n ? g : n)", f"{product} && {nodes}")
+    sizes = (("dp", "dataParallelSize", "0"), ("tp", "tensorParallelSize", "0"),
+             ("pp", "pipelineParallelSize", "1"), ("g", "gpusPerWorker", "1"))  # fmt: skip
+    for name, field, unset in sizes:
+        body = _let(name, _cel_pick(role, field, unset), body)
+    return _let("n", _NODE, body)
+
+
+def _cel_tiles() -> str:
+    body = " && ".join(f"s % {g} == 0 && ({g} == s || {g} % n == 0)" for g in ("p", "d"))
+    body = _let("s", "(p > d ? p : d)", body)
+    body = _let("d", _cel_pick("decode", "gpusPerWorker", "1"), body)
+    body = _let("p", _cel_pick("prefill", "gpusPerWorker", "1"), body)
+    return _let("n", _NODE, body)
+
 
 # Cross-field rules the API server enforces (CEL), mirroring the validators above.
 SPEC_VALIDATIONS: list[dict[str, str]] = [
@@ -306,13 +501,40 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         "message": "allocation.staticPrefill must lie within allocation.minPrefill and "
         "workers.replicas - allocation.minDecode",
     },
+    *(
+        {
+            "rule": f"!has(self.workers) || !has({where}) || !has({where}.engineArgs) || "
+            f"{where}.engineArgs.all(a, !a.matches('{_OWNED_RE}'))",
+            "message": f"{where[5:]}.engineArgs must not set what the operator sets: "
+            + _SHOWN_FLAGS,
+        }
+        for where in ("self.workers", "self.workers.prefill", "self.workers.decode")
+    ),
+    *(
+        {
+            "rule": "!has(self.workers) || "
+            + (f"!has(self.workers.{role}) || " if role else "")
+            + _cel_layout_ok(role),
+            "message": f"{where}: tensorParallelSize x pipelineParallelSize x dataParallelSize "
+            "must equal gpusPerWorker, and an engine wider than workers.gpusPerNode needs "
+            "whole nodes with tensor x pipeline parallel dividing a node",
+        }
+        for role, where in _ROLE_BLOCKS
+    ),
     {
-        "rule": "!has(self.workers) || !has(self.workers.engineArgs) || "
-        "self.workers.engineArgs.all(a, !"
-        + repr(list(OPERATOR_ENGINE_FLAGS)).replace(" ", "")
-        + ".exists(f, a == f || a.startsWith(f + '=')))",
-        "message": "workers.engineArgs must not set what the operator sets: "
-        + ", ".join(OPERATOR_ENGINE_FLAGS),
+        "rule": "!has(self.workers) || " + _cel_tiles(),
+        "message": "workers.prefill.gpusPerWorker and workers.decode.gpusPerWorker (default: "
+        "workers.gpusPerWorker) must tile a worker of the larger one: divide it, in whole nodes "
+        "of workers.gpusPerNode",
+    },
+    {
+        "rule": "!has(self.workers) || !has(self.kvTransfer) || "
+        "!has(self.kvTransfer.switchMode) || self.kvTransfer.switchMode != 'routing' || "
+        + " && ".join(
+            f"{_cel_setting('prefill', f)} == {_cel_setting('decode', f)}" for f in _CEL_SETTINGS
+        ),
+        "message": "kvTransfer.switchMode routing cannot run workers.prefill and workers.decode "
+        "engines configured apart (a switch there restarts the engine): use restart",
     },
     {
         "rule": "!has(self.allocation) || !has(self.allocation.initialPrefill) || "
@@ -322,13 +544,15 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
     },
     {
         "rule": "!has(self.allocation) || !has(self.allocation.capacityModel) || "
-        "!has(self.workers) || !has(self.workers.gpusPerWorker) || "
+        "!has(self.workers) || "
         + " && ".join(
-            f"(self.allocation.capacityModel != '{k}' || self.workers.gpusPerWorker == {v})"
+            f"(self.allocation.capacityModel != '{k}' || {_cel_pick(r, 'gpusPerWorker', '1')}"
+            f" % {v} == 0)"
             for k, v in UNIT_GPUS.items()
+            for r in (None, "prefill", "decode")
         ),
-        "message": "allocation.capacityModel of engine units needs workers.gpusPerWorker to "
-        "match: " + ", ".join(f"{k} = {v}" for k, v in UNIT_GPUS.items()),
+        "message": "allocation.capacityModel of engine units needs every role's gpusPerWorker "
+        "to be a multiple of its unit: " + ", ".join(f"{k} = {v}" for k, v in UNIT_GPUS.items()),
     },
     {
         "rule": "!has(self.redis) || (has(self.redis.url) != "
@@ -371,6 +595,8 @@ class RolloutClusterStatus(_Model):
     prefill: int = Field(default=0, description="Workers labelled prefill.")
     decode: int = Field(default=0, description="Workers labelled decode.")
     mixed: int = Field(default=0, description="Workers labelled mixed (colocated).")
+    prefillUnitGPUs: int = Field(default=0, description="GPUs of one prefill engine.")
+    decodeUnitGPUs: int = Field(default=0, description="GPUs of one decode engine.")
     switching: int = Field(default=0, description="Workers draining for a switch.")
     endpoint: str = Field(default="", description="The OpenAI-compatible base URL.")
     lastForecast: Forecast | None = Field(default=None, description="What the policy saw.")

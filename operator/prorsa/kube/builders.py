@@ -10,6 +10,7 @@ Every object carries an owner reference to the RolloutCluster, so deleting it de
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prorsa.api.models import DEFAULT_OPERATOR_IMAGE, GROUP, KIND, VERSION, RolloutClusterSpec
@@ -62,7 +63,10 @@ def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: Rollou
     meta = _meta(name, namespace, owner, L.WORKER, cluster, **{L.ROLE: role.value})
     meta["annotations"] = {L.PORT: str(w.port)}
     limits = {**w.resources.limits}
-    limits.setdefault("nvidia.com/gpu", str(w.gpusPerWorker))
+    limits.setdefault("nvidia.com/gpu", str(w.slot_gpus))
+    # Every role's vLLM arguments travel with the pod: a relabel switches it in place, and the
+    # agent restarts the engine where the new role's arguments differ.
+    role_args = {r.value: w.layout(r).vllm_args() for r in Role}
     args = [  # the worker image's entrypoint is `prorsa worker`
         "--model", spec.model.name, "--name", name, "--port", str(w.port),
         "--role", role.value, "--role-file", f"{LABELS_DIR}/labels",
@@ -70,13 +74,10 @@ def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: Rollou
         "--side-channel-host", "$(POD_IP)", "--side-channel-port", str(SIDE_CHANNEL_PORT),
         "--probe-port", str(PROBE_PORT),
         "--drain-timeout", f"{spec.allocation.drainTimeoutSeconds:g}",
+        "--role-args", json.dumps(role_args, separators=(",", ":")),
     ]  # fmt: skip
     if spec.model.servedName:
         args += ["--served-model-name", spec.model.servedName]
-    if w.gpusPerWorker > 1 and "--tensor-parallel-size" not in w.engineArgs:
-        args += ["--", "--tensor-parallel-size", str(w.gpusPerWorker), *w.engineArgs]
-    elif w.engineArgs:
-        args += ["--", *w.engineArgs]
     pod_spec: dict[str, Any] = {
         "containers": [{
             "name": "worker",

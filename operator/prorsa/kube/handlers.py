@@ -53,13 +53,18 @@ _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role co
 
 
 def worker_capacity(spec: RolloutClusterSpec) -> RoleCapacity:
-    """The allocator's model of one GPU worker: the simulator's datasheet cost model for the
-    spec's `allocation.capacityModel` and switch mode (not calibrated from the workers'
-    own timings)."""
-    from prorsa.sim.presets import preset
+    """The allocator's model of one worker: the simulator's datasheet cost model for the
+    spec's `allocation.capacityModel` and switch mode, each role's engine at its own size
+    (not calibrated from the workers' own timings)."""
+    from prorsa.sim.presets import STAGES, preset, role_preset
 
-    model = preset(spec.allocation.capacityModel, switch_mode=spec.kvTransfer.switchMode)
-    return model.role_capacity()
+    name, mode, w = spec.allocation.capacityModel, spec.kvTransfer.switchMode, spec.workers
+    colocated = spec.allocation.policy == "colocated"
+    if name not in STAGES:
+        return preset(name, switch_mode=mode).role_capacity()
+    gpus = {r: w.layout(r).gpus for r in Role}
+    costs = role_preset(name, mode, gpus[Role.PREFILL], gpus[Role.DECODE], gpus[Role.MIXED])
+    return costs.laid_out(colocated).role_capacity(colocated)
 
 
 def router_image() -> str:
@@ -176,6 +181,12 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
                              for err in e.errors())  # fmt: skip
         await _refuse(patch, body, generation, "InvalidSpec", problems)
         return
+    if spec.workers.slot_gpus > spec.workers.gpusPerNode:
+        message = (f"workers: engines of {spec.workers.slot_gpus} GPUs span nodes of "
+                   f"workers.gpusPerNode ({spec.workers.gpusPerNode}); multi-node engines "
+                   "(LeaderWorkerSet) are not supported by this operator version yet")  # fmt: skip
+        await _refuse(patch, body, generation, "Unsupported", message)
+        return
     k = api()
     ref = spec.redis.passwordSecretRef
     if ref is not None and await k.get("v1", "Secret", namespace, ref.name) is None:
@@ -290,6 +301,8 @@ def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int
         "prefill": by_role.get("prefill", 0),
         "decode": by_role.get("decode", 0),
         "mixed": by_role.get("mixed", 0),
+        "prefillUnitGPUs": spec.workers.layout(Role.PREFILL).gpus,
+        "decodeUnitGPUs": spec.workers.layout(Role.DECODE).gpus,
         "endpoint": b.endpoint(name, namespace, spec),
         "conditions": [
             condition("Ready", ready > 0, "WorkersReady" if ready else "WaitingForWorkers",

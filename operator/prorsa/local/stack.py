@@ -32,6 +32,7 @@ class StackConfig:
     max_model_len: int = 4096
     kv_cache_gib: int = 1
     engine_args: tuple[str, ...] = ()
+    role_args: dict[Role, tuple[str, ...]] = field(default_factory=dict)  # per role, after
 
 
 @dataclass
@@ -90,6 +91,7 @@ class LocalStack:
             "--kv-cache-gib", str(c.kv_cache_gib),
             "--log-file", str(c.workdir / f"{name}.engine.log"),
             "--drain-timeout", "30",
+            "--role-args", json.dumps({r.value: list(a) for r, a in c.role_args.items()}),
             "--", "--max-model-len", str(c.max_model_len),
         ]  # fmt: skip
         if not c.prefix_caching:

@@ -471,7 +471,9 @@ class ForecastScorer:
             prev = cur
 
     def mape(self) -> dict[str, float]:
+        """Percent error per kind; NaN where no horizon has been scored yet (a run shorter
+        than its horizon has no forecast to judge, which is not a perfect one)."""
         return {
-            k: (100.0 * self.abs_err[k] / self.actual_sum[k]) if self.actual_sum[k] else 0.0
+            k: (100.0 * self.abs_err[k] / self.actual_sum[k]) if self.actual_sum[k] else math.nan
             for k in self.abs_err
         }

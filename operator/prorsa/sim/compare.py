@@ -8,6 +8,7 @@ simulator's ground truth.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -139,7 +140,10 @@ class Comparison:
             if "colocated" in self.results:
                 row["speedup_vs_colocated"] = self.speedup(name)
             if name == "predictive":
-                row["forecast_mape_pct"] = r.forecast_mape
+                row["forecast_mape_pct"] = {  # null: no horizon scored (a short run)
+                    f: {k: None if math.isnan(v) else v for k, v in m.items()}
+                    for f, m in r.forecast_mape.items()
+                }
             out["results"][name] = row
         if self.static_sweep:
             out["static_sweep"] = {

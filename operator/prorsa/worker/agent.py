@@ -1,5 +1,6 @@
-"""The worker agent: start vLLM in its role, report readiness, restart it when it dies or (in
-`restart` switch mode) when its role changes, and drain it gracefully on SIGTERM.
+"""The worker agent: start vLLM in its role, report readiness, restart it when it dies or when
+its new role runs other engine arguments (its NIXL role in `restart` switch mode, or the
+role's own parallelism and batch limits), and drain it gracefully on SIGTERM.
 
 Readiness is only ever "the engine answers /health": it is published in the local registry
 and on the agent's own probe port (`/readyz`, for the kubelet), so no request is routed to an
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
-from prorsa.worker.engine import EngineSpec, SwitchMode, command, kv_role, parse_cores
+from prorsa.worker.engine import EngineSpec, command, kv_role, parse_cores, restart_needed
 from prorsa.worker.roles import RoleSource
 
 log = logging.getLogger(__name__)
@@ -242,9 +243,7 @@ class Agent:
         new = await self.roles.current()
         if new is None or new is self.role:
             return False
-        restart = self.cfg.spec.switch_mode is SwitchMode.RESTART and kv_role(
-            self.cfg.spec, new
-        ) != kv_role(self.cfg.spec, self.role)
+        restart = restart_needed(self.cfg.spec, self.role, new)
         log.info("role %s -> %s%s", self.role.value, new.value,
                  " (restarting vLLM)" if restart else "")  # fmt: skip
         self.role = new

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -29,6 +30,42 @@ class SwitchMode(StrEnum):
     RESTART = "restart"
 
 
+# vLLM flags of an engine's parallel layout (and their short forms): set from typed fields
+# (`EngineLayout`), never as free engine arguments, so the operator knows each unit's size.
+PARALLEL_FLAGS = (
+    "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+    "--data-parallel-size", "-dp", "--data-parallel-size-local", "-dpl",
+    "--data-parallel-rank", "-dpn", "--data-parallel-start-rank", "-dpr",
+    "--data-parallel-address", "-dpa", "--data-parallel-rpc-port", "-dpp",
+    "--enable-expert-parallel", "-ep", "--no-enable-expert-parallel", "--headless",
+    "--nnodes", "--node-rank",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One role's engine: the GPUs it spans, its parallel sizes, its extra vLLM arguments."""
+
+    gpus: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    expert: bool = False
+    args: tuple[str, ...] = ()
+
+    def vllm_args(self) -> list[str]:
+        """The arguments `prorsa worker` passes to vLLM for this role (after the shared)."""
+        out: list[str] = []
+        for flag, n in (("--tensor-parallel-size", self.tensor),
+                        ("--pipeline-parallel-size", self.pipeline),
+                        ("--data-parallel-size", self.data)):  # fmt: skip
+            if n > 1:
+                out += [flag, str(n)]
+        if self.expert:
+            out.append("--enable-expert-parallel")
+        return out + list(self.args)
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     model: str
@@ -44,6 +81,9 @@ class EngineSpec:
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-3"
     kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU engines; whole GiB)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # Arguments only one role's engine gets, after `extra_args` (vLLM takes the last value of
+    # a flag given twice): stage-specific parallelism and batch limits.
+    role_args: Mapping[Role, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -97,7 +137,7 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
     cfg = kv_transfer_config(spec, role)
     if cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
-    argv += list(spec.extra_args)
+    argv += [*spec.extra_args, *spec.role_args.get(role, ())]
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port)}
     if spec.side_channel_host:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
@@ -106,6 +146,34 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
     if spec.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     return argv, env
+
+
+def restart_needed(spec: EngineSpec, old: Role, new: Role) -> bool:
+    """A role change restarts the engine when it must run with other arguments (its NIXL
+    role in `restart` switch mode, or role-specific engine arguments); else it is routing."""
+    return command(spec, old) != command(spec, new)
+
+
+def parse_role_args(text: str) -> dict[Role, tuple[str, ...]]:
+    """`{"prefill": [...], "decode": [...]}` (JSON, as the operator writes it) → per role."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"role arguments are not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError('role arguments must be an object like {"prefill": ["--flag", "v"]}')
+    out: dict[Role, tuple[str, ...]] = {}
+    for key, args in raw.items():
+        try:
+            role = Role(key)
+        except ValueError:
+            raise ValueError(
+                f"role arguments: unknown role {key!r} (prefill, decode, mixed)"
+            ) from None
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ValueError(f"role arguments for {key}: a list of strings, got {args!r}")
+        out[role] = tuple(args)
+    return out
 
 
 def parse_cores(spec: str) -> set[int]:
