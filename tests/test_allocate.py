@@ -17,7 +17,7 @@ from prorsa.policy.allocate import (
     plan_switches,
 )
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.forecast import Forecast
+from prorsa.policy.forecast import Forecast, Horizon
 
 CAP = RoleCapacity(
     prefill_tokens_per_s=20_000.0,
@@ -225,3 +225,21 @@ def test_prefill_slows_with_the_context_it_attends_to() -> None:
     assert cap.prefill_slowdown(8192) == 1.0
     assert cap.prefill_slowdown(8192 + 10_000) == 2.0  # 1 ms per token becomes 2 ms
     assert cap.prefill_slowdown(0) >= 0.1
+
+
+def test_on_expert_parallel_slots_small_appends_go_local_and_first_prompts_to_a_pool() -> None:
+    """DeepSeek-V3 slots as the simulator lays them out (4 prefill EP8 engines or 1 decode
+    EP32 engine): a trickle of short appends does not pay for a slot taken from decode (the
+    first append of a step stalls the unit, the next ones ride along), while a flood of first
+    prompts does pay for one."""
+    from prorsa.sim.presets import role_preset
+
+    cap = role_preset("h200-deepseek-v3").laid_out(colocated=False).role_capacity(colocated=False)
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0, horizon_s=900, interval_s=15), cap)
+    h = Horizon(15.0, 60)
+    trickle = Forecast.flat(h, 20_000, 16_000, 16_000 * 1_300, mean_prefill_tokens=180.0,
+                            evidence=10_000)  # fmt: skip
+    assert pol.decide(view(1, 3), trickle, now=0.0).target.prefill == 0
+    flood = Forecast.flat(h, 300_000, 3_000, 3_000 * 8_000, mean_prefill_tokens=8_000.0,
+                          evidence=10_000)  # fmt: skip
+    assert pol.decide(view(0, 4), flood, now=0.0).target.prefill >= 1

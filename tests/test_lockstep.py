@@ -70,10 +70,16 @@ def test_a_unit_must_hold_the_weights_and_kv_grows_with_it() -> None:
     assert _unit(16).kv_capacity_tokens > 2 * _unit(8).kv_capacity_tokens
 
 
-def test_the_allocator_sees_local_prefill_on_an_ep_unit_as_expensive() -> None:
+def test_the_allocator_sees_a_lone_append_on_an_ep_unit_stall_every_rank() -> None:
+    """The first append of a step runs on one rank while all wait (far below the unit's
+    prefill rate); appends on the other ranks of that step ride almost free. One-GPU workers
+    have no such step cost."""
     ep = preset("h200-deepseek-v3").role_capacity()
     dense = preset("h200").role_capacity()
-    assert ep.local_prefill_rate < 0.5 * ep.prefill_tokens_per_s
+    assert ep.local_prefill_rank_tokens_per_s < 0.5 * ep.prefill_tokens_per_s
+    assert ep.local_prefill_first_s(1024) > 2 * 1024 / ep.prefill_tokens_per_s
+    assert ep.local_prefill_rate > ep.prefill_tokens_per_s  # the marginal append
+    assert dense.local_prefill_first_s(1024) == 0.0
     assert dense.local_prefill_rate == dense.prefill_tokens_per_s
 
 

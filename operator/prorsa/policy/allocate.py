@@ -386,20 +386,30 @@ class PredictivePolicy(Policy):
                 lost += seqs * dt
                 carry = seqs
                 continue
-            local_rate = cap.local_prefill_rate / slow
-            busy = local / (d_eff * local_rate)
-            if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
-                lost += (busy - 0.95) * d_eff * local_rate * dt / mean_req * dt
-                busy = 0.95
-            if seqs <= 0:
-                continue
             kv_worker = seqs * kv_seq / d_eff
             stalled = 0.0
             if kv_worker > cap.kv_capacity_tokens:
                 stalled = 1.0 - cap.kv_capacity_tokens / kv_worker
                 kv_worker = cap.kv_capacity_tokens
             batch = seqs * (1.0 - stalled) / d_eff
-            step = cap.decode_step_s(batch, kv_worker) / (1.0 - busy)
+            pure = cap.decode_step_s(batch, kv_worker)
+            local_rate = cap.local_prefill_rate / slow
+            busy = local / (d_eff * local_rate)
+            first = cap.local_prefill_first_s(mean_req * slow)
+            if first > 0 and local > 0:
+                # The share of steps that carry an append: those steps last longer, so more
+                # appends arrive during each (a few rounds settle the fixed point).
+                rate, mixed, mean_step = local / d_eff / mean_req, 0.0, pure
+                for _ in range(4):
+                    mixed = -math.expm1(-rate * mean_step)
+                    mean_step = pure + mixed * first
+                busy += mixed * first / mean_step
+            if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
+                lost += (busy - 0.95) * d_eff * local_rate * dt / mean_req * dt
+                busy = 0.95
+            if seqs <= 0:
+                continue
+            step = pure / (1.0 - busy)
             ideal = cap.decode_step_s(1.0, kv_seq)
             frac = stalled + (1.0 - stalled) * max(0.0, 1.0 - ideal / step)
             lost += seqs * dt * frac

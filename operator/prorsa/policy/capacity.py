@@ -18,9 +18,15 @@ class RoleCapacity:
     kv_capacity_tokens: float  # KV cache one worker holds
     switch_s: float = 0.0  # extra seconds a role switch costs beyond draining (restarts)
     # Prefill tokens/s a decode worker gives up its decode time for when it prefills locally
-    # (0: as fast as a prefill worker). Lower on expert-parallel units, where one rank's
-    # chunk stalls every rank's decodes and costs the step its CUDA graphs.
+    # (0: as fast as a prefill worker), beyond the step's fixed cost below.
     local_prefill_tokens_per_s: float = 0.0
+    # What a decode step pays when it carries any local prefill (0: nothing beyond the
+    # tokens' own work). On an expert-parallel unit the step runs without CUDA graphs, two-
+    # batch overlap and low-latency all-to-all (`local_prefill_step_s`), and every rank waits
+    # while one computes the first append's tokens (at `local_prefill_rank_tokens_per_s`);
+    # appends on the other ranks of the same step cost `local_prefill_tokens_per_s`.
+    local_prefill_step_s: float = 0.0
+    local_prefill_rank_tokens_per_s: float = 0.0
     # How prefill slows with the context it attends to: `prefill_tokens_per_s` holds at
     # `prefill_context` tokens of context; each further context token adds this many seconds
     # per new token (attention over the cached prefix). 0: no context dependence known.
@@ -30,6 +36,12 @@ class RoleCapacity:
     @property
     def local_prefill_rate(self) -> float:
         return self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
+
+    def local_prefill_first_s(self, tokens: float) -> float:
+        """Seconds a decode step grows by when it carries one append of `tokens`."""
+        if not self.local_prefill_rank_tokens_per_s:
+            return self.local_prefill_step_s
+        return self.local_prefill_step_s + tokens / self.local_prefill_rank_tokens_per_s
 
     def prefill_slowdown(self, context: float) -> float:
         """Seconds per prefill token at `context` over those at `prefill_context` (>= 0.1)."""

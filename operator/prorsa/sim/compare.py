@@ -70,7 +70,8 @@ def run_policy(
     if policy != "predictive":  # forecast errors are reported for the predictive run only
         cfg = replace(cfg, shadow_forecasters=())
     scripts = generate(spec, cfg.trajectories, cfg.seed)
-    pol = make_policy(cfg.settings, role_costs(cost).role_capacity(policy == "colocated"))
+    colocated = policy == "colocated"  # the policy sees workers as the simulator lays them out
+    pol = make_policy(cfg.settings, role_costs(cost).laid_out(colocated).role_capacity(colocated))
     name = label or policy
     sim = Simulator(
         cost, scripts, cfg, pol, progress=(lambda f: progress(name, f)) if progress else None

@@ -82,6 +82,8 @@ class Slot:
             kv_capacity_tokens=c.kv_capacity_tokens * e,
             switch_s=c.switch_s,
             local_prefill_tokens_per_s=c.local_prefill_rate * e,
+            local_prefill_step_s=c.local_prefill_step_s,  # each engine's step pays it
+            local_prefill_rank_tokens_per_s=c.local_prefill_rank_tokens_per_s,
             prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / e,
             prefill_context=c.prefill_context,
         )
@@ -153,6 +155,8 @@ class RoleCosts:
             kv_capacity_tokens=d.kv_capacity_tokens,
             switch_s=switch,
             local_prefill_tokens_per_s=d.local_prefill_rate,
+            local_prefill_step_s=d.local_prefill_step_s,
+            local_prefill_rank_tokens_per_s=d.local_prefill_rank_tokens_per_s,
             prefill_s_per_token_per_context=p.prefill_s_per_token_per_context,
             prefill_context=p.prefill_context,
         )
