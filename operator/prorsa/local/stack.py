@@ -33,6 +33,7 @@ class StackConfig:
     kv_cache_gib: int = 1
     engine_args: tuple[str, ...] = ()
     role_args: dict[Role, tuple[str, ...]] = field(default_factory=dict)  # per role, after
+    cpu_cores: tuple[str, ...] = ()  # per worker (default: one core each, round robin)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class LocalStack:
     def start_worker(self, i: int, role: Role) -> WorkerHandle:
         c = self.cfg
         name, port = f"worker-{i}", free_port()
+        cores = c.cpu_cores[i] if i < len(c.cpu_cores) else str(i % (os.cpu_count() or 1))
         argv = [
             *_prorsa(), "worker",
             "--model", str(c.model), "--name", name, "--host", "127.0.0.1",
@@ -87,7 +89,7 @@ class LocalStack:
             "--role", role.value, "--redis-url", c.redis_url, "--cluster", self._cluster_ref(),
             "--switch-mode", c.switch_mode, "--kv-buffer-device", "cpu",
             "--side-channel-port", str(free_port()),
-            "--cpu-cores", str(i % (os.cpu_count() or 1)),
+            "--cpu-cores", cores,
             "--kv-cache-gib", str(c.kv_cache_gib),
             "--log-file", str(c.workdir / f"{name}.engine.log"),
             "--drain-timeout", "30",

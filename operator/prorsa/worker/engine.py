@@ -78,7 +78,7 @@ class EngineSpec:
     side_channel_host: str | None = None  # address other workers reach this one's NIXL on
     side_channel_port: int = 5600
     nccl_port: int = 14579
-    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-3"
+    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: "0", "0-3"; per rank "0|1"
     kv_cache_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU engines; whole GiB)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     # Arguments only one role's engine gets, after `extra_args` (vLLM takes the last value of
@@ -177,9 +177,10 @@ def parse_role_args(text: str) -> dict[Role, tuple[str, ...]]:
 
 
 def parse_cores(spec: str) -> set[int]:
-    """`0`, `0-3`, `0,2,4-5` → the set of core ids (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    """`0`, `0-3`, `0,2,4-5` → the set of core ids (the syntax of VLLM_CPU_OMP_THREADS_BIND);
+    `0|1` gives each rank of a parallel engine its own list (the union is returned)."""
     cores: set[int] = set()
-    for part in spec.split(","):
+    for part in spec.replace("|", ",").split(","):
         lo, _, hi = part.strip().partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ValueError(f"cpu cores must look like 0-3,5; got {spec!r}")
