@@ -598,6 +598,13 @@ def local(
     mode: Annotated[str, typer.Option(help="sync (one batch) or async (half in flight)")] = "sync",
     redis_url: Annotated[str, typer.Option(help="use this Redis instead of a private one")] = "",
     workdir: Annotated[Path, typer.Option(help="model, logs, Redis data")] = Path(".prorsa/local"),
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="a Hugging Face-format model directory vLLM can load on the CPU "
+            "(default: a generated tiny model)"
+        ),
+    ] = None,
     live: Annotated[bool, typer.Option(help="live terminal view")] = True,
     log_level: Annotated[str, typer.Option(help="logging level")] = "warning",
 ) -> None:
@@ -619,11 +626,20 @@ def local(
         load_workload(workload)
     except WorkloadError as e:
         raise _fail(str(e)) from None
+    if model is not None:
+        from prorsa.local.model import ModelError, check_model_dir
+        from prorsa.local.stack import StackConfig
+
+        try:
+            check_model_dir(model, workers, StackConfig(model, workdir, "").kv_cache_gib)
+        except ModelError as e:
+            raise _fail(str(e)) from None
     if workers > (os.cpu_count() or 1):
         err.print(f"[yellow]note:[/yellow] {workers} workers on {os.cpu_count()} cores share cores")
     opts = LocalOptions(
         workers=workers, policies=policies, workload=workload, trajectories=trajectories,
-        seed=seed, mode=mode, redis_url=redis_url or None, workdir=workdir, live=live,
+        seed=seed, mode=mode, redis_url=redis_url or None, workdir=workdir, model=model,
+        live=live,
     )  # fmt: skip
     try:
         code = asyncio.run(run_local(opts, _out()))

@@ -39,6 +39,7 @@ class Calibration:
 
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads", heads)

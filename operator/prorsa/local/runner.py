@@ -28,7 +28,7 @@ from prorsa.events.stream import EventReader
 from prorsa.local.calibrate import Calibration, calibrate
 from prorsa.local.cluster import LocalCluster
 from prorsa.local.driver import DriveResult, Progress, Scale, drive, scale_scripts
-from prorsa.local.model import make_tiny_model
+from prorsa.local.model import check_model_dir, make_tiny_model
 from prorsa.local.redis_server import RedisServer
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.policy.allocate import AllocationSettings, make_policy
@@ -48,6 +48,7 @@ class LocalOptions:
     mode: str = "sync"
     redis_url: str | None = None
     workdir: Path = Path(".prorsa/local")
+    model: Path | None = None  # a Hugging Face-format directory (default: the tiny model)
     scale: Scale = field(default_factory=Scale)
     live: bool = True
     # decisions at CPU pace: the workload's tool latencies are scaled by `scale.time`
@@ -171,14 +172,23 @@ async def run_local(opts: LocalOptions, console: Console) -> int:
     console.print(f"[bold]prorsa local[/bold]: {opts.workers} vLLM workers on the CPU, "
                   f"workload {opts.workload}, {opts.trajectories} trajectories, "
                   f"policies {', '.join(opts.policies)} (workdir {opts.workdir})")  # fmt: skip
-    model = opts.workdir / "tiny-llama"
-    console.print("• model: " + ("cached" if (model / "config.json").exists() else "generating"))
-    make_tiny_model(model)
+    cfg = StackConfig(model=opts.workdir / "tiny-llama", workdir=opts.workdir / "logs",
+                      redis_url="", roles=[], keys=KEYS)  # fmt: skip
+    if opts.model is not None:
+        own = check_model_dir(opts.model, opts.workers, cfg.kv_cache_gib)
+        cfg = replace(cfg, model=own.path, max_model_len=min(cfg.max_model_len, own.max_positions))
+        mib = own.weight_bytes / 2**20
+        size = f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+        console.print(f"• model: {own.path} ({size} of weights)")
+    else:
+        cached = (cfg.model / "config.json").exists()
+        console.print("• model: tiny (" + ("cached" if cached else "generating") + ")")
+        make_tiny_model(cfg.model)
+    model = cfg.model
     server = None if opts.redis_url else RedisServer(opts.workdir / "redis", persist=True).start()
     redis_url = opts.redis_url or server.url  # type: ignore[union-attr]
     console.print(f"• redis: {redis_url}")
-    stack = LocalStack(StackConfig(model=model, workdir=opts.workdir / "logs",
-                                   redis_url=redis_url, roles=[], keys=KEYS))  # fmt: skip
+    stack = LocalStack(replace(cfg, redis_url=redis_url))
     redis = Redis.from_url(redis_url, socket_timeout=10)
     try:
         first = make_policy(replace(opts.settings, policy=opts.policies[0]),
