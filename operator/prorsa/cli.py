@@ -649,6 +649,27 @@ def local(
     raise typer.Exit(code)
 
 
+workload_app = typer.Typer(no_args_is_help=True, help="Workloads: sample new ones.")
+app.add_typer(workload_app, name="workload")
+
+
+@workload_app.command("sample")
+def workload_sample(
+    seed: Annotated[int, typer.Option(help="the sample's seed (same seed, same workload)")] = 0,
+    out: Annotated[Path | None, typer.Option(help="write the YAML here (default: stdout)")] = None,
+) -> None:
+    """Draw a random workload from wide, documented ranges (1-3 phases, 1-60 turns, tokens and
+    tool latencies over orders of magnitude) as YAML for --workload."""
+    from prorsa.sim.sampler import sample_workload, workload_yaml
+
+    text = workload_yaml(sample_workload(seed))
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+        err.print(f"wrote {out}")
+
+
 @app.command()
 def crd(
     out: Annotated[
