@@ -1,0 +1,115 @@
+"""The capacity estimator: a prior corrected by evidence, robust to outliers, with its
+uncertainty, forgetting slowly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.learn import CapacityEstimator
+
+PRIOR = RoleCapacity(
+    prefill_tokens_per_s=20_000.0,
+    decode_base_step_s=0.008,
+    decode_s_per_seq=4e-5,
+    decode_s_per_kv_token=2e-9,
+    kv_capacity_tokens=1e6,
+    prefill_s_per_token_per_context=1e-9,
+    prefill_context=8192.0,
+)
+# The cluster as it really is: half the prefill speed, 1.5x every decode step.
+TRUE_PREFILL_PER_TOKEN = 2.0 / PRIOR.prefill_tokens_per_s
+
+
+def true_prefill_s(tokens: float, context: float) -> float:
+    c1 = TRUE_PREFILL_PER_TOKEN - 2e-9 * 8192
+    return 0.004 + tokens * (c1 + 2e-9 * context)
+
+
+def true_step_s(batch: float, kv: float) -> float:
+    return 1.5 * PRIOR.decode_step_s(batch, kv)
+
+
+def feed(est: CapacityEstimator, n: int, rng: random.Random, outliers: float = 0.0,
+         t0: float = 0.0) -> None:  # fmt: skip
+    for i in range(n):
+        tokens, ctx = rng.uniform(100, 4000), rng.uniform(0, 30_000)
+        slow = 20.0 if rng.random() < outliers else 1.0
+        est.observe_prefill(tokens, ctx, true_prefill_s(tokens, ctx) * slow
+                            * rng.uniform(0.9, 1.1), t0 + i)  # fmt: skip
+        batch = rng.uniform(1, 256)
+        kv = batch * rng.uniform(500, 20_000)
+        est.observe_decode_step(batch, kv, true_step_s(batch, kv) * slow
+                                * rng.uniform(0.9, 1.1), t0 + i)  # fmt: skip
+
+
+def typical_prefill_rate() -> float:
+    return 1024 / true_prefill_s(1024, PRIOR.prefill_context)
+
+
+def test_without_evidence_it_is_the_prior() -> None:
+    cap = CapacityEstimator(PRIOR).capacity()
+    assert cap.prefill_tokens_per_s == pytest.approx(PRIOR.prefill_tokens_per_s, rel=1e-6)
+    assert cap.decode_step_s(64, 1e6) == pytest.approx(PRIOR.decode_step_s(64, 1e6), rel=1e-6)
+    assert cap.kv_capacity_tokens == PRIOR.kv_capacity_tokens
+
+
+def test_evidence_moves_it_to_the_truth_and_shrinks_the_uncertainty() -> None:
+    est = CapacityEstimator(PRIOR)
+    before = est.evidence()
+    feed(est, 300, random.Random(1))
+    cap, after = est.capacity(), est.evidence()
+    assert cap.prefill_tokens_per_s == pytest.approx(typical_prefill_rate(), rel=0.05)
+    for batch, kv in ((8, 1e5), (64, 1e6), (200, 3e6)):
+        assert cap.decode_step_s(batch, kv) == pytest.approx(true_step_s(batch, kv), rel=0.05)
+    assert after["prefill_rel_sd"] < 0.2 * before["prefill_rel_sd"]
+    assert after["decode_rel_sd"] < 0.2 * before["decode_rel_sd"]
+    assert after["prefill_samples"] > 250
+
+
+def test_outliers_barely_move_it() -> None:
+    est = CapacityEstimator(PRIOR)
+    feed(est, 400, random.Random(2), outliers=0.05)
+    cap = est.capacity()
+    assert cap.prefill_tokens_per_s == pytest.approx(typical_prefill_rate(), rel=0.10)
+    assert cap.decode_step_s(64, 1e6) == pytest.approx(true_step_s(64, 1e6), rel=0.10)
+
+
+def test_old_evidence_fades_back_toward_the_prior() -> None:
+    est = CapacityEstimator(PRIOR, half_life_s=60.0)
+    feed(est, 200, random.Random(3))
+    learned = est.capacity().prefill_tokens_per_s
+    est.observe_decode_step(16, 1e5, true_step_s(16, 1e5), now=200 + 60 * 20)  # 20 half-lives
+    faded = est.capacity().prefill_tokens_per_s
+    assert abs(faded - PRIOR.prefill_tokens_per_s) < 0.2 * abs(learned - PRIOR.prefill_tokens_per_s)
+
+
+def test_broken_reports_teach_nothing() -> None:
+    est = CapacityEstimator(PRIOR)
+    for bad in (float("nan"), float("inf"), -1.0, 0.0):
+        est.observe_prefill(1000, 0, bad, 1.0)
+        est.observe_decode_step(10, 1e4, bad, 1.0)
+    est.observe_kv_capacity("w", float("nan"))
+    assert est.capacity() == CapacityEstimator(PRIOR).capacity()
+    assert est.evidence()["prefill_samples"] == 0
+
+
+def test_kv_is_the_smallest_workers_and_switches_are_smoothed() -> None:
+    est = CapacityEstimator(replace_switch(PRIOR, 10.0))
+    est.observe_kv_capacity("a", 9e5)
+    est.observe_kv_capacity("b", 7e5)
+    assert est.capacity().kv_capacity_tokens == 7e5
+    est.forget_worker("b")
+    assert est.capacity().kv_capacity_tokens == 9e5
+    for s in (300.0, 320.0, 280.0):
+        est.observe_switch(s)
+    assert est.capacity().switch_s == pytest.approx(300.0, rel=0.05)
+    assert est.evidence()["switches"] == 3
+
+
+def replace_switch(c: RoleCapacity, s: float) -> RoleCapacity:
+    from dataclasses import replace
+
+    return replace(c, switch_s=s)
