@@ -113,3 +113,40 @@ def replace_switch(c: RoleCapacity, s: float) -> RoleCapacity:
     from dataclasses import replace
 
     return replace(c, switch_s=s)
+
+
+def test_the_simulator_teaches_the_allocator_its_true_capacity() -> None:
+    """A cluster with half the datasheet's prefill speed and 1.5x its decode step: the
+    policy starts from the datasheet and, fed the workers' own timings, ends near the truth."""
+    from dataclasses import replace
+
+    from prorsa.policy.allocate import AllocationSettings
+    from prorsa.sim.config import SimConfig
+    from prorsa.sim.costmodel import ScaledCost
+    from prorsa.sim.engine import Simulator
+    from prorsa.sim.presets import preset
+    from prorsa.sim.workload import generate, load_workload
+
+    base = preset("h200")
+    true = ScaledCost(base, prefill_speed=0.5, decode_slowdown=1.5)
+    prior, truth = base.role_capacity(), true.role_capacity()
+    settings = replace(AllocationSettings(), policy="static", static_prefill=1)
+    cfg = SimConfig(gpus=4, trajectories=64, seed=1, settings=settings,
+                    capacity_prior=prior, learn_capacity=True)  # fmt: skip
+    spec = load_workload("swe")
+    sim = Simulator(true, generate(spec, 64, 1), cfg)
+    sim.run()
+    assert sim.learner is not None
+    learned = sim.learner.capacity()
+    assert learned == sim.policy.capacity  # the policy prices with what was learned
+    at = (32.0, 32 * 8000.0)
+    for got, want, was in (
+        (learned.prefill_tokens_per_s, truth.prefill_tokens_per_s, prior.prefill_tokens_per_s),
+        (learned.decode_step_s(*at), truth.decode_step_s(*at), prior.decode_step_s(*at)),
+    ):
+        assert got == pytest.approx(want, rel=0.25)
+        assert abs(got - want) < 0.5 * abs(was - want)
+    # without learning the policy keeps the datasheet's figures to the end
+    plain = Simulator(true, generate(spec, 64, 1), replace(cfg, learn_capacity=False))
+    plain.run()
+    assert plain.learner is None and plain.policy.capacity == prior

@@ -71,7 +71,8 @@ def run_policy(
         cfg = replace(cfg, shadow_forecasters=())
     scripts = generate(spec, cfg.trajectories, cfg.seed)
     colocated = policy == "colocated"  # the policy sees workers as the simulator lays them out
-    pol = make_policy(cfg.settings, role_costs(cost).laid_out(colocated).role_capacity(colocated))
+    true = role_costs(cost).laid_out(colocated).role_capacity(colocated)
+    pol = make_policy(cfg.settings, cfg.capacity_prior or true)
     name = label or policy
     sim = Simulator(
         cost, scripts, cfg, pol, progress=(lambda f: progress(name, f)) if progress else None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from prorsa.policy.allocate import AllocationSettings
+from prorsa.policy.capacity import RoleCapacity
 from prorsa.policy.placement import PlacementSettings
 
 Mode = Literal["sync", "async"]
@@ -32,6 +33,10 @@ class SimConfig:
     # connector moves KV from prefill to decode only.
     prefix_pull: bool = False
     max_sim_s: float = 7 * 24 * 3600.0
+    # What the allocator believes before it sees the cluster (None: the true cost's capacity),
+    # and whether it learns the real one online from its workers (`policy/learn.py`).
+    capacity_prior: RoleCapacity | None = None
+    learn_capacity: bool = False
 
     def workers(self, gpus_per_worker: int) -> int:
         """Engine units of `gpus_per_worker` GPUs the cluster holds (what the policy splits)."""

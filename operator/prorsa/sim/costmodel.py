@@ -12,7 +12,7 @@ source. Engine units of several GPUs with expert parallelism are `lockstep`'s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prorsa.policy.capacity import RoleCapacity
@@ -252,4 +252,76 @@ class MeasuredCost(OneGPUWorker):
             decode_s_per_seq=self.decode_per_seq_s,
             decode_s_per_kv_token=0.0,
             kv_capacity_tokens=self.kv_capacity,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledCost:
+    """A cluster that is not what its datasheet says: `base` with prefill `prefill_speed`
+    times as fast and every decode step `decode_slowdown` times as long. The what-if for a
+    capacity the allocator must learn online (other GPUs, engine flags, a slower model)."""
+
+    base: Cost
+    prefill_speed: float = 1.0
+    decode_slowdown: float = 1.0
+
+    @property
+    def eff(self) -> Efficiency:
+        return self.base.eff
+
+    @property
+    def model(self) -> object:  # what an engine restart loads (expert-parallel units)
+        return getattr(self.base, "model", None)
+
+    @property
+    def switch_mode(self) -> str:
+        return self.base.switch_mode
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        return self.base.kv_capacity_tokens
+
+    @property
+    def restart_s(self) -> float:
+        return self.base.restart_s
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self.base.gpus_per_worker
+
+    @property
+    def dp_ranks(self) -> int:
+        return self.base.dp_ranks
+
+    def prefill_s(self, new_tokens: float, context: float) -> float:
+        return self.base.prefill_s(new_tokens, context) / self.prefill_speed
+
+    def decode_step_s(self, batch: float, kv_tokens: float) -> float:
+        return self.base.decode_step_s(batch, kv_tokens) * self.decode_slowdown
+
+    def mixed_chunk_tokens(self, batch: float, queued: float, jobs: int) -> float:
+        return self.base.mixed_chunk_tokens(batch, queued, jobs)
+
+    def mixed_step_s(
+        self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
+    ) -> float:
+        decode = self.base.decode_step_s(batch, kv_tokens)
+        mixed = self.base.mixed_step_s(batch, kv_tokens, chunk, chunk_ctx, jobs)
+        return decode * self.decode_slowdown + max(mixed - decode, 0.0) / self.prefill_speed
+
+    def kv_transfer_s(self, tokens: float) -> float:
+        return self.base.kv_transfer_s(tokens)
+
+    def role_capacity(self) -> RoleCapacity:
+        c, s, d = self.base.role_capacity(), self.prefill_speed, self.decode_slowdown
+        return replace(
+            c,
+            prefill_tokens_per_s=c.prefill_tokens_per_s * s,
+            prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / s,
+            local_prefill_tokens_per_s=c.local_prefill_tokens_per_s * s,
+            local_prefill_rank_tokens_per_s=c.local_prefill_rank_tokens_per_s * s,
+            local_prefill_step_s=c.local_prefill_step_s * d,
+            decode_base_step_s=c.decode_base_step_s * d,
+            decode_s_per_seq=c.decode_s_per_seq * d,
+            decode_s_per_kv_token=c.decode_s_per_kv_token * d,
         )

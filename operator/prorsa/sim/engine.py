@@ -33,6 +33,7 @@ from prorsa.policy.forecast import (
     ForecastScorer,
     make_forecaster,
 )
+from prorsa.policy.learn import CapacityEstimator
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
 from prorsa.policy.placement import pool_worthy, sheds_load, stays_local
 from prorsa.sim.config import (
@@ -68,7 +69,8 @@ class Simulator:
         self.costs = role_costs(cost).laid_out(colocated)
         self.cost = self.costs.decode  # transfers and the switch mode are the decode side's
         self.capacity = self.costs.role_capacity(colocated)
-        self.policy = policy or make_policy(self.settings, self.capacity)
+        self.policy = policy or make_policy(self.settings, self.cfg.capacity_prior or self.capacity)
+        self.learner = CapacityEstimator(self.policy.capacity) if self.cfg.learn_capacity else None
         self.trajs = [TrajRun(i, s) for i, s in enumerate(scripts)]
         roles = self.policy.initial_roles(self.cfg.workers(self.costs.slot_gpus(colocated)))
         self.workers = [
@@ -432,6 +434,9 @@ class Simulator:
             tokens=job.compute,
             seconds=self.now - tr.phase_t0,
         )
+        if self.learner is not None and w.role is Role.PREFILL:  # the engine's prefill time
+            compute_s = self.costs.of(w.role).prefill_s(job.compute, job.ctx)
+            self.learner.observe_prefill(job.compute, job.ctx, compute_s, self.now)
         tr.phase_t0 = self.now
         self._cache_put(w, tr.idx, tr.context)
         if job.local:
@@ -583,6 +588,8 @@ class Simulator:
             policy_fc = forecasts.get("lifecycle") or make_forecaster(
                 "lifecycle", self.cfg.mode
             ).forecast(table, now, self.horizon)
+        if self.learner is not None:
+            self._learn(self.learner)
         decision = self.policy.decide(self.view(), policy_fc, now)
         self.decisions += 1
         self.last_decision = decision
@@ -607,6 +614,16 @@ class Simulator:
         if self.progress is not None:
             self.progress(self.done / max(len(self.trajs), 1))
         self._push(now + self.settings.interval_s, _TICK, None)
+
+    def _learn(self, learner: CapacityEstimator) -> None:
+        """What a worker's metrics tell between two decisions: each decoding worker's step at
+        its batch and KV, its cache size; then the policy prices with what was learned."""
+        for w in self.workers:
+            if w.role is Role.DECODE and w.count and not w.pq and w.tau > 0:
+                learner.observe_decode_step(w.count, w.kv_running, w.tau, self.now)
+            if w.role is not Role.PREFILL:
+                learner.observe_kv_capacity(w.id, w.kv_capacity)
+        self.policy.capacity = learner.capacity()
 
     def invariant_violations(self) -> list[str]:
         """Bookkeeping that must hold at every instant (tests check it on every tick)."""
