@@ -34,7 +34,7 @@ from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
 from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.config import SimConfig, SimResult
-from prorsa.sim.costmodel import Cost, CostModel
+from prorsa.sim.costmodel import Cost, CostModel, ScaledCost
 from prorsa.sim.engine import Simulator
 from prorsa.sim.lockstep import LockstepCost
 from prorsa.sim.presets import preset, role_preset
@@ -370,11 +370,40 @@ def noise_floor(
         print(f"| {wl} | {mode} | {spread:.3f}x | {shown} |")
 
 
+def learn(workloads: list[str], modes: list[str], gpus: int, preset_name: str, jobs: int,
+          prefill_speed: float = 0.5, decode_slowdown: float = 1.5) -> None:  # fmt: skip
+    """The capacity learned online (`policy/learn.py`): the cluster is `prefill_speed` times
+    as fast at prefill and `decode_slowdown` times as slow per decode step as the preset the
+    allocator starts from. Predictive given the true capacity, given only the preset, and
+    given the preset plus what its workers report."""
+    base = role_preset(preset_name)
+    true = RoleCosts(*(ScaledCost(c, prefill_speed, decode_slowdown)
+                       for c in (base.prefill, base.decode, base.colocated)))  # fmt: skip
+    prior = base.laid_out(False).role_capacity(False)
+    print(f"## capacity learned online · {gpus} GPUs · {preset_name} x (prefill {prefill_speed}x,"
+          f" decode step {decode_slowdown}x) · seed 0")  # fmt: skip
+    print("| workload | mode | true capacity | preset only | learned | preset / true |"
+          " learned / true |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for wl, spec, mode in _cases(workloads, modes):
+        cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
+        runs = [(true, spec, c, "predictive") for c in (
+            cfg, replace(cfg, capacity_prior=prior),
+            replace(cfg, capacity_prior=prior, learn_capacity=True))]  # fmt: skip
+        t, p, lrn = _scores(runs, jobs)
+
+        def shown(x: float, mode: str = mode) -> str:
+            return f"{x:.0f} s" if mode == "sync" else f"{1 / x:.1f}/min"
+
+        print(f"| {wl} | {mode} | {shown(t)} | {shown(p)} | {shown(lrn)} | {t / p:.3f} |"
+              f" {t / lrn:.3f} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument(
         "--only",
-        choices=["table", "moe", "seeds", "noise", "decision", "bigsim", "headroom"],
+        choices=["table", "moe", "seeds", "noise", "decision", "bigsim", "headroom", "learn"],
         default=None,
     )
     ap.add_argument("--workloads", default=",".join(BUILTIN))
@@ -417,6 +446,8 @@ def main() -> None:
         big_sim()
     if a.only in (None, "headroom"):
         headroom()
+    if a.only in (None, "learn"):
+        learn(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.jobs)
 
 
 if __name__ == "__main__":
