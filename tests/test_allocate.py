@@ -243,3 +243,14 @@ def test_on_expert_parallel_slots_small_appends_go_local_and_first_prompts_to_a_
     flood = Forecast.flat(h, 300_000, 3_000, 3_000 * 8_000, mean_prefill_tokens=8_000.0,
                           evidence=10_000)  # fmt: skip
     assert pol.decide(view(0, 4), flood, now=0.0).target.prefill >= 1
+
+
+def test_a_prefill_backlog_never_makes_a_split_look_cheaper() -> None:
+    """A pool working off a backlog serves more than the current demand; that must not count
+    as decode workers prefilling less than nothing."""
+    pol = PredictivePolicy(AllocationSettings(), CAP)
+    fc = flat(prefill_tps=5_000, seqs=2_000, kv_per_seq=2_000)
+    fc.mean_prefill_tokens = 500.0
+    busy = replace(fc, prefill_backlog_tokens=5_000_000.0)
+    for p in (1, 2, 4):
+        assert pol.cost(busy, p, p, 16) >= pol.cost(fc, p, p, 16)

@@ -376,7 +376,7 @@ class PredictivePolicy(Policy):
             demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
             remote = demand * fc.remote_prefill_share + backlog / dt
             served = min(remote, p_eff * cap.prefill_tokens_per_s / slow)
-            local = demand - served
+            local = max(demand - served, 0.0)  # a pool draining a backlog takes no appends away
             backlog = 0.0
             # Decode: progress lost to bigger batches, KV reads and local prefills; KV
             # overflow stalls. Lost progress carries over: slowed sequences stay resident
