@@ -109,7 +109,11 @@ def simulate(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results as JSON")] = None,
     plot: Annotated[
-        Path | None, typer.Option(help="write forecast vs allocation plot (PNG)")
+        Path | None,
+        typer.Option(
+            help="write a picture of the run (PNG): roles over time, prefill and decode demand "
+            "vs capacity, trajectory completion CDF per policy"
+        ),
     ] = None,
     jobs: Annotated[
         int, typer.Option(min=0, help="policies simulated in parallel (0: one per CPU)")
@@ -179,9 +183,9 @@ def simulate(
         result.write_json(json_out)
         err.print(f"wrote {json_out}")
     if plot is not None:
-        from prorsa.sim.plot import plot_comparison
+        from prorsa.plot import plot_run
 
-        plot_comparison(result, plot)
+        plot_run(result.to_json(), plot)
         err.print(f"wrote {plot}")
 
 
@@ -606,6 +610,16 @@ def local(
         ),
     ] = None,
     live: Annotated[bool, typer.Option(help="live terminal view")] = True,
+    json_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--json", help="write the run as JSON: per-turn timings, switches, forecast vs actual"
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="write a picture of the run (PNG), drawn as `prorsa simulate --plot`"),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="logging level")] = "warning",
 ) -> None:
     """Run the whole system on this machine: real vLLM workers on the CPU, router, Redis and
@@ -639,7 +653,7 @@ def local(
     opts = LocalOptions(
         workers=workers, policies=policies, workload=workload, trajectories=trajectories,
         seed=seed, mode=mode, redis_url=redis_url or None, workdir=workdir, model=model,
-        live=live,
+        live=live, json_out=json_out, plot=plot,
     )  # fmt: skip
     try:
         code = asyncio.run(run_local(opts, _out()))
@@ -647,6 +661,25 @@ def local(
         err.print("interrupted: every process started was stopped")
         code = 130
     raise typer.Exit(code)
+
+
+@app.command("plot")
+def plot_command(
+    run: Annotated[
+        Path,
+        typer.Argument(help="a run written by `prorsa simulate --json` or `prorsa local --json`"),
+    ],
+    out: Annotated[Path | None, typer.Option(help="the PNG to write (default: RUN.png)")] = None,
+) -> None:
+    """Draw a run, simulated or real: roles over time, prefill and decode demand vs capacity,
+    trajectory completion CDF per policy."""
+    from prorsa.plot import PlotError, load_run, plot_run
+
+    try:
+        doc = load_run(run)
+    except PlotError as e:
+        raise _fail(str(e)) from None
+    _out().print(f"wrote {plot_run(doc, out or run.with_suffix('.png'))}")
 
 
 workload_app = typer.Typer(no_args_is_help=True, help="Workloads: sample new ones.")

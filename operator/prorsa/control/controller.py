@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -74,6 +75,19 @@ def cluster_view(workers: list[WorkerStatus]) -> ClusterView:
     )
 
 
+@dataclass(frozen=True)
+class SwitchRecord:
+    """One switch as it ended: when it started (the controller's clock), which worker, the
+    roles, how it ended and how long it took."""
+
+    started_at: float
+    worker: str
+    from_role: Role
+    to_role: Role
+    outcome: SwitchOutcome
+    seconds: float
+
+
 @dataclass
 class Controller:
     cluster: Cluster
@@ -89,6 +103,8 @@ class Controller:
     healthy: bool = field(default=False, init=False)
     switches_done: int = field(default=0, init=False)
     decisions_made: int = field(default=0, init=False)
+    # the latest switches (a long-running operator keeps only these)
+    switch_log: deque[SwitchRecord] = field(default_factory=lambda: deque(maxlen=1000), init=False)
     _switching: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict, init=False)
     _malformed_counted: int = field(default=0, init=False)
 
@@ -117,7 +133,7 @@ class Controller:
             return  # never two switches of one worker at once
 
         async def run() -> SwitchOutcome:
-            t0 = time.monotonic()
+            t0, started_at = time.monotonic(), self.clock()
             try:
                 out = await switch(
                     self.cluster, worker, to_role,
@@ -128,9 +144,13 @@ class Controller:
                 self._switching.pop(worker, None)
                 self.metrics.switching.set(len(self._switching))
             self.metrics.switches.labels(from_role.value, to_role.value, out.value).inc()
+            seconds = time.monotonic() - t0
+            self.switch_log.append(
+                SwitchRecord(started_at, worker, from_role, to_role, out, seconds)
+            )
             if out is SwitchOutcome.DONE:
                 self.switches_done += 1
-                self.metrics.switch_seconds.observe(time.monotonic() - t0)
+                self.metrics.switch_seconds.observe(seconds)
             elif out is SwitchOutcome.ROLLED_BACK:
                 self.metrics.drain_timeouts.inc()
             return out

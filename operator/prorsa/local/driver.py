@@ -51,6 +51,20 @@ def scale_scripts(scripts: list[TrajectoryScript], s: Scale) -> list[TrajectoryS
     return out
 
 
+@dataclass(frozen=True)
+class TurnRecord:
+    """One turn as the agent loop saw it (times from the start of the rollout)."""
+
+    trajectory: str
+    turn: int
+    start_s: float
+    seconds: float  # submission to the whole answer (prefill, KV transfer, decode)
+    prompt_tokens: int
+    new_tokens: int
+    output_tokens: int
+    ok: bool
+
+
 @dataclass
 class DriveResult:
     makespan_s: float = 0.0
@@ -60,6 +74,7 @@ class DriveResult:
     errors: list[str] = field(default_factory=list)
     retries: int = 0  # turns sent again because the router could not be reached
     turns_by_trajectory: dict[str, int] = field(default_factory=dict)  # completed turns
+    turns: list[TurnRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +107,12 @@ async def drive(
     gate = asyncio.Semaphore(concurrency or len(scripts))
     t0 = time.monotonic()
 
+    def record(traj: str, i: int, sent: float, prompt: int, new: int, answer: int | None) -> None:
+        """`answer`: the tokens answered, None when the turn failed."""
+        end = time.monotonic()
+        result.turns.append(TurnRecord(traj, i, sent - t0, end - sent, prompt, new, answer or 0,
+                                       answer is not None))  # fmt: skip
+
     async def one(s: aiohttp.ClientSession, script: TrajectoryScript) -> None:
         async with gate:
             rng = random.Random(f"{seed}-{script.id}")
@@ -109,7 +130,8 @@ async def drive(
                     "ignore_eos": True,
                     "return_token_ids": True,
                 }
-                deadline = time.monotonic() + retry_s
+                sent = time.monotonic()
+                deadline = sent + retry_s
                 try:
                     while True:
                         try:
@@ -120,12 +142,15 @@ async def drive(
                                 raise
                             result.retries += 1
                             await asyncio.sleep(0.5)
-                    context = context + list(data["choices"][0]["token_ids"] or [])
+                    answer = list(data["choices"][0]["token_ids"] or [])
                 except (aiohttp.ClientError, TimeoutError, RuntimeError, KeyError) as e:
+                    record(traj, i, sent, len(context), turn.new_tokens, None)
                     result.turns_failed += 1
                     prog.failed += 1
                     result.errors.append(f"{traj} turn {i}: {e}"[:300])
                     break
+                record(traj, i, sent, len(context), turn.new_tokens, len(answer))
+                context = context + answer
                 result.turns_ok += 1
                 result.turns_by_trajectory[traj] = result.turns_by_trajectory.get(traj, 0) + 1
                 prog.turns_done += 1

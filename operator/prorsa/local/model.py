@@ -70,6 +70,10 @@ def make_tiny_model(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path
     )
     model: Any = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
     model = model.to(torch.bfloat16)
+    from transformers.utils import logging as hf_logging
+
+    # a shard progress bar for a 2 MB model is only noise
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     model.save_pretrained(path)
     (path / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": vocab_size}) + "\n")
     return path

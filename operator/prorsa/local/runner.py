@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import statistics
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from redis.asyncio import Redis
 from rich.console import Console, Group
@@ -22,7 +25,7 @@ from rich.live import Live
 from rich.table import Table
 
 from prorsa.control.cluster import WorkerStatus
-from prorsa.control.controller import Controller, ControllerConfig
+from prorsa.control.controller import Controller, ControllerConfig, SwitchRecord
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventReader
 from prorsa.local.calibrate import Calibration, calibrate
@@ -31,7 +34,12 @@ from prorsa.local.driver import DriveResult, Progress, Scale, drive, scale_scrip
 from prorsa.local.model import check_model_dir, make_tiny_model
 from prorsa.local.redis_server import RedisServer
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
-from prorsa.policy.allocate import AllocationSettings, make_policy
+from prorsa.plot import plot_run
+from prorsa.policy.allocate import AllocationSettings, Decision, Role, make_policy
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.forecast import Forecast
+from prorsa.policy.lifecycle import State
+from prorsa.sim.config import TimelinePoint, timeline_row
 from prorsa.sim.workload import generate, load_workload
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,8 @@ class LocalOptions:
     model: Path | None = None  # a Hugging Face-format directory (default: the tiny model)
     scale: Scale = field(default_factory=Scale)
     live: bool = True
+    json_out: Path | None = None  # the run as JSON (per-turn timings, switches, timeline)
+    plot: Path | None = None  # the run as a picture (`prorsa.plot`)
     # decisions at CPU pace: the workload's tool latencies are scaled by `scale.time`
     settings: AllocationSettings = field(
         default_factory=lambda: replace(
@@ -65,6 +75,102 @@ class PolicyRun:
     result: DriveResult
     switches: int
     decisions: int
+    timeline: list[TimelinePoint] = field(default_factory=list)  # one point per decision
+    switch_log: list[SwitchRecord] = field(default_factory=list)
+    started_at: float = 0.0  # the controller's clock when the rollout started
+
+    def to_json(self) -> dict[str, Any]:
+        """The same fields `prorsa simulate --json` writes for a policy, and what only a real
+        run has: every turn's timing and every switch."""
+        r = self.result
+        done = sorted(r.completion_s)
+        return {
+            "label": self.policy,
+            "makespan_s": r.makespan_s,
+            "p50_completion_s": statistics.median(done) if done else 0.0,
+            "turns_ok": r.turns_ok,
+            "turns_failed": r.turns_failed,
+            "switches": self.switches,
+            "decisions": self.decisions,
+            "timeline": [timeline_row(p) for p in self.timeline],
+            "completions_s": [round(x, 3) for x in done],
+            "turns": [asdict(t) for t in r.turns],
+            "switch_log": [
+                {
+                    "start_s": round(sw.started_at - self.started_at, 3),
+                    "worker": sw.worker,
+                    "from": sw.from_role.value,
+                    "to": sw.to_role.value,
+                    "outcome": sw.outcome.value,
+                    "seconds": round(sw.seconds, 3),
+                }
+                for sw in self.switch_log
+            ],
+            "errors": r.errors,
+        }
+
+
+def run_document(opts: LocalOptions, runs: list[PolicyRun], cal: Calibration,
+                 model: str) -> dict[str, Any]:  # fmt: skip
+    """A real run in the shape of `prorsa simulate --json` (`prorsa plot` draws either)."""
+    base = runs[0].result.makespan_s
+    results = {}
+    for r in runs:
+        row = r.to_json()
+        if r.result.makespan_s > 0:
+            row[f"speedup_vs_{runs[0].policy}"] = base / r.result.makespan_s
+        results[r.policy] = row
+    return {
+        "source": "real",
+        "title": f"{opts.workload} · {opts.mode} · {opts.workers} vLLM workers on the CPU · "
+        f"{opts.trajectories} trajectories · {model}",
+        "workload": opts.workload,
+        "mode": opts.mode,
+        "workers": opts.workers,
+        "trajectories": opts.trajectories,
+        "seed": opts.seed,
+        "model": model,
+        "calibration": asdict(cal),
+        "results": results,
+    }
+
+
+class _Timeline:
+    """Records a `TimelinePoint` at each decision: roles, forecast vs what the lifecycle
+    table saw since the last one, and the capacity the roles give."""
+
+    def __init__(self, cluster: LocalCluster, capacity: RoleCapacity) -> None:
+        self.cluster, self.capacity = cluster, capacity
+        self.points: list[TimelinePoint] = []
+        self.t0 = time.monotonic()
+        self._last = (self.t0, 0)
+        self.ctl: Controller | None = None
+
+    async def on_decision(self, _: Decision, fc: Forecast | None) -> None:
+        assert self.ctl is not None
+        table, now = self.ctl.table, time.monotonic()
+        roles = [w.role for w in await self.cluster.workers()]
+        n = {r: roles.count(r) for r in Role}
+        last_t, last_submitted = self._last
+        dt = max(now - last_t, 1e-3)
+        self.points.append(
+            TimelinePoint(
+                t=now - self.t0,
+                prefill=n[Role.PREFILL],
+                decode=n[Role.DECODE],
+                mixed=n[Role.MIXED],
+                forecast_prefill_tps=fc.prefill_tokens_per_s[0] if fc else 0.0,
+                actual_prefill_tps=(table.submitted_tokens_total - last_submitted) / dt,
+                forecast_decode=fc.decode_seqs[0] if fc else 0.0,
+                actual_decode=table.count(State.DECODE),
+                prefill_capacity_tps=n[Role.PREFILL] * self.capacity.prefill_tokens_per_s,
+                forecast_decode_kv=fc.decode_kv_tokens[0] if fc else 0.0,
+                actual_decode_kv=float(table.decode_context_tokens),
+                decode_kv_capacity=(n[Role.DECODE] + n[Role.MIXED])
+                * self.capacity.kv_capacity_tokens,
+            )
+        )
+        self._last = (now, table.submitted_tokens_total)
 
 
 def _view(policy: str, prog: Progress | None, workers: list[WorkerStatus],
@@ -100,17 +206,19 @@ async def run_policy(
     console: Console,
 ) -> PolicyRun:
     settings = replace(opts.settings, policy=policy)
-    cluster = LocalCluster(redis, KEYS)
+    keys = stack.cfg.keys
+    cluster = LocalCluster(redis, keys)
     roles = make_policy(settings, capacity.capacity()).initial_roles(len(stack.workers))
     for w, role in zip(stack.workers, roles, strict=True):
         await cluster.set_role(w.name, role)
-    await redis.delete(KEYS.events)  # each policy starts from an empty history
+    await redis.delete(keys.events)  # each policy starts from an empty history
     await asyncio.sleep(1.0)  # the router sees the roles
     spec = load_workload(opts.workload)
     scripts = scale_scripts(generate(spec, opts.trajectories, opts.seed), opts.scale)
+    timeline = _Timeline(cluster, capacity.capacity())
     ctl = Controller(
         cluster,
-        EventReader(redis, KEYS.events, group=f"prorsa-{policy}"),
+        EventReader(redis, keys.events, group=f"prorsa-{policy}"),
         ControllerConfig(
             settings,
             capacity.capacity(),
@@ -118,7 +226,10 @@ async def run_policy(
             drain_timeout_s=30.0,
             settle_s=1.0,
         ),
+        on_decision=timeline.on_decision,
     )
+    timeline.ctl = ctl
+    started_at = ctl.clock()
     stop = asyncio.Event()
     control = asyncio.create_task(ctl.run(stop))
     state: dict[str, object] = {"prog": None, "workers": []}
@@ -145,7 +256,8 @@ async def run_policy(
             view.cancel()
             stop.set()
             await control
-    return PolicyRun(policy, result, ctl.switches_done, ctl.decisions_made)
+    return PolicyRun(policy, result, ctl.switches_done, ctl.decisions_made, timeline.points,
+                     list(ctl.switch_log), started_at)  # fmt: skip
 
 
 def _summary(runs: list[PolicyRun], console: Console) -> None:
@@ -208,6 +320,15 @@ async def run_local(opts: LocalOptions, console: Console) -> int:
             console.print(f"• running {policy}")
             runs.append(await run_policy(opts, stack, redis, cal, policy, console))
         _summary(runs, console)
+        if opts.json_out is not None or opts.plot is not None:
+            name = opts.model.name if opts.model is not None else "tiny random Llama"
+            doc = run_document(opts, runs, cal, name)
+            if opts.json_out is not None:
+                opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+                opts.json_out.write_text(json.dumps(doc, indent=1) + "\n")
+                console.print(f"• wrote {opts.json_out} (turns, switches, forecast vs actual)")
+            if opts.plot is not None:
+                console.print(f"• wrote {plot_run(doc, opts.plot)}")
         return 0 if all(r.result.turns_failed == 0 for r in runs) else 1
     finally:
         await redis.aclose()

@@ -18,7 +18,7 @@ from typing import Any
 
 from prorsa.policy.allocate import make_policy
 from prorsa.policy.placement import PlacementSettings
-from prorsa.sim.config import Mode, SimConfig, SimResult, SimulationTooLong
+from prorsa.sim.config import Mode, SimConfig, SimResult, SimulationTooLong, timeline_row
 from prorsa.sim.costmodel import Cost
 from prorsa.sim.engine import Simulator
 from prorsa.sim.oracle import oracle_forecast
@@ -113,6 +113,7 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
+            "source": "simulated",
             "workload": self.workload,
             "mode": self.mode,
             "gpus": self.gpus,
@@ -141,6 +142,8 @@ class Comparison:
                 row["makespan_s"] = r.makespan_s
             if "colocated" in self.results:
                 row["speedup_vs_colocated"] = self.speedup(name)
+            row["timeline"] = [timeline_row(p) for p in r.timeline]
+            row["completions_s"] = [round(x, 2) for x in r.completions_s]
             if name == "predictive":
                 row["forecast_mape_pct"] = {  # null: no horizon scored (a short run)
                     f: {k: None if math.isnan(v) else v for k, v in m.items()}

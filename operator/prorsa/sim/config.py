@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from prorsa.policy.allocate import AllocationSettings
@@ -58,6 +58,10 @@ class SimConfig:
 
 @dataclass
 class TimelinePoint:
+    """One decision's view of a run: roles, demand (forecast for the next step and what
+    actually came) and the capacity the roles gave. `prorsa simulate` and `prorsa local`
+    record the same points, so their plots compare picture to picture."""
+
     t: float
     prefill: int
     decode: int
@@ -66,6 +70,15 @@ class TimelinePoint:
     actual_prefill_tps: float
     forecast_decode: float
     actual_decode: int
+    prefill_capacity_tps: float = 0.0  # what the prefill workers can compute per second
+    forecast_decode_kv: float = 0.0  # KV tokens of the sequences decoding
+    actual_decode_kv: float = 0.0
+    decode_kv_capacity: float = 0.0  # KV tokens the decode (and mixed) workers hold
+
+
+def timeline_row(p: TimelinePoint) -> dict[str, float]:
+    """A timeline point as JSON, rounded to what a plot or a reader needs."""
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(p).items()}
 
 
 @dataclass
@@ -92,6 +105,7 @@ class SimResult:
     # latency of its decode, p50 and p99: where prefill interference shows.
     ttft_s: tuple[float, float] = (0.0, 0.0)
     itl_s: tuple[float, float] = (0.0, 0.0)
+    completions_s: list[float] = field(default_factory=list)  # per trajectory, sorted
 
 
 def p50_p99(xs: list[float]) -> tuple[float, float]:

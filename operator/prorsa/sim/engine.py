@@ -69,6 +69,7 @@ class Simulator:
         self.costs = role_costs(cost).laid_out(colocated)
         self.cost = self.costs.decode  # transfers and the switch mode are the decode side's
         self.capacity = self.costs.role_capacity(colocated)
+        self._prefill_tps = self.costs.prefill.role_capacity().prefill_tokens_per_s
         self.policy = policy or make_policy(self.settings, self.cfg.capacity_prior or self.capacity)
         self.learner = CapacityEstimator(self.policy.capacity) if self.cfg.learn_capacity else None
         self.trajs = [TrajRun(i, s) for i, s in enumerate(scripts)]
@@ -607,6 +608,12 @@ class Simulator:
                 actual_prefill_tps=(table.submitted_tokens_total - self._last_submitted) / dt,
                 forecast_decode=shown.decode_seqs[0] if shown else 0.0,
                 actual_decode=decoding,
+                prefill_capacity_tps=alloc.prefill * self._prefill_tps,
+                forecast_decode_kv=shown.decode_kv_tokens[0] if shown else 0.0,
+                actual_decode_kv=float(table.decode_context_tokens),
+                decode_kv_capacity=sum(
+                    w.kv_capacity for w in self.workers if w.role is not Role.PREFILL
+                ),
             )
         )
         self._last_submitted = table.submitted_tokens_total
@@ -692,4 +699,5 @@ class Simulator:
             label=self.policy.name,
             ttft_s=p50_p99(self.ttfts),
             itl_s=p50_p99(self.itls),
+            completions_s=durations,
         )
