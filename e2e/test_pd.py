@@ -1,35 +1,28 @@
 """The data plane on real vLLM: disaggregated serving is exact, roles switch live without a
 failed request, a dead worker costs no non-streamed turn, and every turn lands on the stream.
-A local run (`prorsa local --json`) is recorded turn by turn. Tests run in file order on one
-shared cluster (the switching test leaves roles swapped; the local run sets its own)."""
+Tests run in file order on one shared cluster (the switching test leaves roles swapped)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from redis.asyncio import Redis
-from rich.console import Console
 
 from e2e.client import TIMEOUT, VOCAB, Completion, Rollout, complete, metric
 from e2e.conftest import KEYS
 from prorsa.control.switch import SwitchOutcome, switch
 from prorsa.events.schema import decode
-from prorsa.local.calibrate import Calibration
 from prorsa.local.cluster import LocalCluster
 from prorsa.local.registry import Registry
-from prorsa.local.runner import LocalOptions, run_document, run_policy
 from prorsa.local.stack import LocalStack
-from prorsa.plot import load_run, plot_run
 from prorsa.policy.allocate import Role
 from prorsa.policy.lifecycle import EventType
 
@@ -231,43 +224,5 @@ def test_bad_input_gets_openai_errors_and_router_keeps_serving(stack: LocalStack
                     assert data["error"]["message"] and data["error"]["type"]
             ok = await complete(s, url, "still serving", 4)
             assert ok.status == 200 and len(ok.token_ids) == 4
-
-    asyncio.run(main())
-
-
-def test_a_local_run_is_recorded_and_drawn_like_a_simulated_one(
-    stack: LocalStack, tmp_path: Path
-) -> None:
-    """`prorsa local --json/--plot` on real workers: every turn timed, the controller's
-    decisions recorded with roles, forecast and capacity, and the same picture as the
-    simulator's."""
-
-    async def main() -> None:
-        opts = LocalOptions(policies=["predictive"], workload="swe", trajectories=6, live=False)
-        cal = Calibration(20_000.0, 0.0, 0.01, 0.0002, 1_000_000.0)
-        redis = Redis.from_url(stack.cfg.redis_url)
-        try:
-            run = await run_policy(opts, stack, redis, cal, "predictive", Console(quiet=True))
-        finally:
-            await redis.aclose()
-        doc = run_document(opts, [run], cal, "tiny")
-        row = doc["results"]["predictive"]
-        assert doc["source"] == "real" and row["turns_failed"] == 0
-        assert len(row["turns"]) == row["turns_ok"] > 6  # swe: several turns each
-        assert all(t["ok"] and t["seconds"] > 0 and t["output_tokens"] > 0 for t in row["turns"])
-        done = row["completions_s"]
-        assert len(done) == 6 and done == sorted(done)
-        assert max(done) <= row["makespan_s"] + 1e-6
-        tl = row["timeline"]
-        assert len(tl) >= 3 and all(p["prefill"] + p["decode"] + p["mixed"] == 2 for p in tl)
-        assert [p["t"] for p in tl] == sorted(p["t"] for p in tl)
-        for p in tl:  # capacity follows the roles, at the calibrated figures
-            assert p["prefill_capacity_tps"] == pytest.approx(p["prefill"] * 20_000.0)
-            assert p["decode_kv_capacity"] == pytest.approx((p["decode"] + p["mixed"]) * 1e6)
-        assert sum(p["actual_prefill_tps"] for p in tl) > 0  # the table saw the turns
-        path = tmp_path / "local.json"
-        path.write_text(json.dumps(doc))
-        png = plot_run(load_run(path), tmp_path / "local.png")
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     asyncio.run(main())

@@ -268,15 +268,18 @@ def test_the_configuration_reference_matches_the_models() -> None:
         assert f"`{field}`" in page.read_text()
 
 
-def test_every_capacity_model_is_a_simulator_preset_and_they_differ() -> None:
+def test_every_capacity_model_is_a_simulator_preset_or_auto_and_they_differ() -> None:
     import typing
 
     from prorsa.api.models import Allocation
     from prorsa.kube.handlers import worker_capacity
-    from prorsa.sim.presets import PRESETS
+    from prorsa.sim.presets import AUTO_PRIOR, PRESETS
 
     choices = typing.get_args(Allocation.model_fields["capacityModel"].annotation)
-    assert set(choices) == set(PRESETS)
+    assert set(choices) == set(PRESETS) | {"auto"} and AUTO_PRIOR in PRESETS
+    assert parse_spec({"model": {"name": "m"}}).allocation.capacityModel == "auto"
+    with pytest.raises(ValidationError, match="learnCapacity true or name a preset"):
+        parse_spec({"model": {"name": "m"}, "allocation": {"learnCapacity": False}})
     from prorsa.api.models import UNIT_GPUS
 
     assert {k: unit for k, (_, _, unit) in PRESETS.items() if unit} == UNIT_GPUS

@@ -582,6 +582,11 @@ def test_lifecycle_events_in_redis_make_the_predictive_daemon_relabel_workers(
                     assert (p["metadata"].get("annotations") or {}).get(L.DRAINING) != "true"
                 st = await rcl_status(api, "pred")
                 assert st["lastForecast"]["decodeSequences"] > 100
+                # capacityModel auto: learned online, from the H200 prior until the engines
+                # (none answer here) report; the status says which and on how much evidence
+                cap = st["capacity"]
+                assert cap["source"] == "learned" and cap["prefillTokensPerSecond"] > 0
+                assert cap["evidence"]["prefillSamples"] == 0 and cap["evidence"]["kvWorkers"] == 0
                 events = [e for e in await api.list("v1", "Event", NS, "")
                           if e.get("reason") == "Switching"]  # fmt: skip
                 assert any("prefill->decode" in e["message"] for e in events), events

@@ -484,9 +484,16 @@ def controller(
     switch_mode: Annotated[str, typer.Option(help="the workers' mode: routing or restart")] = (
         "routing"
     ),
-    capacity: Annotated[str, typer.Option(help="worker capacity model: a simulate preset")] = (
-        "h200"
-    ),
+    capacity: Annotated[
+        str,
+        typer.Option(
+            help="worker capacity model: auto (learned online from a wide H200 prior) or a "
+            "simulate preset (the prior, corrected online unless --no-learn-capacity)"
+        ),
+    ] = "auto",
+    learn_capacity: Annotated[
+        bool, typer.Option(help="correct the capacity online from the workers' vLLM metrics")
+    ] = True,
     metrics_port: Annotated[int, typer.Option(help="/metrics and /healthz (0: off)")] = 9090,
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
@@ -522,7 +529,13 @@ def controller(
             max_switches_per_decision=max_switches,
             min_evidence=min_evidence,
         )
-        role_capacity = preset(capacity).role_capacity()
+        if capacity == "auto" and not learn_capacity:
+            raise ValueError("--capacity auto is learned online: drop --no-learn-capacity or "
+                             "name a preset")  # fmt: skip
+        from prorsa.sim.presets import prior_name
+
+        prior, prior_rel_sd = prior_name(capacity)
+        role_capacity = preset(prior).role_capacity()
         from prorsa.policy.allocate import make_policy
 
         make_policy(settings, role_capacity)  # unknown policy: fail here, clearly
@@ -540,6 +553,8 @@ def controller(
                 mode=mode,  # type: ignore[arg-type]
                 drain_timeout_s=drain_timeout,
                 switch_mode=switch_mode,
+                learn_capacity=learn_capacity,
+                capacity_prior_rel_sd=prior_rel_sd,
             ),
         )
         stop = asyncio.Event()
@@ -610,6 +625,16 @@ def local(
         ),
     ] = None,
     live: Annotated[bool, typer.Option(help="live terminal view")] = True,
+    capacity: Annotated[
+        str,
+        typer.Option(
+            help="what the controller prices splits with at first: calibrated (measured on "
+            "a worker before the run), auto or a simulate preset"
+        ),
+    ] = "calibrated",
+    learn_capacity: Annotated[
+        bool, typer.Option(help="correct it online from the workers' vLLM metrics")
+    ] = True,
     json_out: Annotated[
         Path | None,
         typer.Option(
@@ -636,6 +661,13 @@ def local(
         raise _fail(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(known)}")
     if mode not in ("sync", "async"):
         raise _fail("--mode must be sync or async")
+    from prorsa.sim.presets import PRESETS
+
+    if capacity not in ("calibrated", "auto", *PRESETS):
+        raise _fail(f"--capacity {capacity}: choose calibrated, auto or one of "
+                    f"{', '.join(PRESETS)}")  # fmt: skip
+    if capacity == "auto" and not learn_capacity:
+        raise _fail("--capacity auto is learned online: drop --no-learn-capacity")
     try:
         load_workload(workload)
     except WorkloadError as e:
@@ -653,7 +685,8 @@ def local(
     opts = LocalOptions(
         workers=workers, policies=policies, workload=workload, trajectories=trajectories,
         seed=seed, mode=mode, redis_url=redis_url or None, workdir=workdir, model=model,
-        live=live, json_out=json_out, plot=plot,
+        live=live, json_out=json_out, plot=plot, capacity_model=capacity,
+        learn_capacity=learn_capacity,
     )  # fmt: skip
     try:
         code = asyncio.run(run_local(opts, _out()))

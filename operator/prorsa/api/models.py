@@ -292,16 +292,25 @@ class Allocation(_Model):
         description="A drain not finished by then is rolled back (the worker keeps its role).",
     )
     capacityModel: Literal[
-        "h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b",
+        "auto", "h200-dense-8b", "h100-dense-8b", "h200-moe-30b", "h100-moe-30b",
         "h200-deepseek-v3", "h100-deepseek-v3", "h200-qwen3-235b",
-    ] = Field(default="h200-dense-8b", description=(
-        "The allocator's model of one worker: GPU and model class of the simulator's "
-        "datasheet cost model (prorsa simulate --preset). Pick the closest; the expert-"
-        "parallel ones describe engine units and need workers.gpusPerWorker to match "
+    ] = Field(default="auto", description=(
+        "The allocator's model of one worker. auto: learned online from the workers' vLLM "
+        "metrics (prefill time by tokens and context, decode step by batch and KV, KV cache "
+        "size, switch cost), starting from a wide H200 prior; status.capacity shows what was "
+        "learned. A preset names the simulator's datasheet model (prorsa simulate --preset) "
+        "as the prior, corrected online too unless learnCapacity is false. The expert-"
+        "parallel presets describe engine units and need workers.gpusPerWorker to match "
         "(deepseek-v3: 8 on H200, 16 on H100; qwen3-235b: 8)."))  # fmt: skip
+    learnCapacity: bool = Field(default=True, description=(
+        "Correct the capacity model online from the workers' metrics. false: price every "
+        "split with the preset as it is (capacityModel auto needs true)."))  # fmt: skip
 
     @model_validator(mode="after")
     def _horizon_covers_a_decision(self) -> Allocation:
+        if self.capacityModel == "auto" and not self.learnCapacity:
+            raise ValueError("allocation.capacityModel auto is learned online: set "
+                             "allocation.learnCapacity true or name a preset")  # fmt: skip
         if self.horizonSeconds < self.intervalSeconds:
             raise ValueError(f"allocation.horizonSeconds ({self.horizonSeconds:g}) must be >= "
                              f"allocation.intervalSeconds ({self.intervalSeconds:g}): the "
@@ -488,6 +497,13 @@ SPEC_VALIDATIONS: list[dict[str, str]] = [
         "message": "allocation.staticPrefill must leave a decode worker",
     },
     {
+        "rule": "!has(self.allocation) || !has(self.allocation.learnCapacity) || "
+        "self.allocation.learnCapacity || "
+        "(has(self.allocation.capacityModel) && self.allocation.capacityModel != 'auto')",
+        "message": "allocation.capacityModel auto is learned online: set "
+        "allocation.learnCapacity true or name a preset",
+    },
+    {
         "rule": "!has(self.allocation) || !has(self.allocation.horizonSeconds) || "
         "!has(self.allocation.intervalSeconds) || "
         "self.allocation.horizonSeconds >= self.allocation.intervalSeconds",
@@ -584,6 +600,36 @@ class Forecast(_Model):
     time: str = ""
 
 
+class CapacityEvidence(_Model):
+    prefillSamples: float = Field(default=0.0, description="Decayed prefill windows learned.")
+    decodeSamples: float = Field(default=0.0, description="Decayed decode windows learned.")
+    prefillRelativeSd: float = Field(default=0.0, description="Uncertainty of the prefill "
+                                     "rate (1 sd, relative).")  # fmt: skip
+    decodeRelativeSd: float = Field(default=0.0, description="Uncertainty of a decode step "
+                                    "(1 sd, relative).")  # fmt: skip
+    kvWorkers: int = Field(default=0, description="Workers that reported their KV cache size.")
+    switches: int = Field(default=0, description="Switches whose cost was measured.")
+    prefillTokensSeen: float = Field(
+        default=0.0, description="Typical new tokens of the prefills learned from."
+    )
+    decodeBatchSeen: float = Field(default=0.0, description="Typical batch of the decode "
+                                   "steps learned from.")  # fmt: skip
+
+
+class Capacity(_Model):
+    source: Literal["learned", "preset"] = Field(
+        default="preset", description="learned: corrected online from the workers' metrics."
+    )
+    prefillTokensPerSecond: float = Field(default=0.0, description="One prefill worker.")
+    decodeBaseStepSeconds: float = Field(default=0.0, description="A decode step's fixed part.")
+    decodeSecondsPerSequence: float = Field(default=0.0, description="Per sequence in a step.")
+    decodeSecondsPerKvToken: float = Field(default=0.0, description="Per KV token read a step.")
+    kvCapacityTokens: float = Field(default=0.0, description="KV one decode worker holds.")
+    switchSeconds: float = Field(default=0.0, description="A switch beyond its drain.")
+    evidence: CapacityEvidence | None = Field(default=None, description="What it rests on.")
+    time: str = ""
+
+
 class RolloutClusterStatus(_Model):
     phase: Literal["Pending", "Running", "Degraded", "Failed"] = Field(
         default="Pending", description="Failed: invalid spec; Degraded: cannot be honoured."
@@ -601,6 +647,8 @@ class RolloutClusterStatus(_Model):
     endpoint: str = Field(default="", description="The OpenAI-compatible base URL.")
     lastForecast: Forecast | None = Field(default=None, description="What the policy saw.")
     lastDecision: Decision | None = Field(default=None, description="What it decided and why.")
+    capacity: Capacity | None = Field(default=None, description="What the allocator prices "
+                                      "splits with: one worker's capacity.")  # fmt: skip
     switchesTotal: int = Field(default=0, description="Completed switches since the operator "
                                "started serving this cluster.")  # fmt: skip
     conditions: list[Condition] = Field(default_factory=list,

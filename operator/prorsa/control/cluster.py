@@ -26,6 +26,7 @@ class WorkerStatus:
     draining: bool = False
     target_role: Role | None = None
     inflight: Inflight = field(default_factory=Inflight)  # as the routers report it
+    url: str = ""  # the engine's HTTP endpoint ("" when unknown)
 
     def old_role_inflight(self) -> int:
         """In-flight work of the role this worker is leaving."""
@@ -52,4 +53,9 @@ class Cluster(Protocol):
     async def engine_inflight(self, name: str) -> int | None:
         """Requests running or queued in the worker's engine, from its own metrics (None when
         it cannot be asked): the cross-check of the routers' reports."""
+        ...
+
+    async def engine_metrics(self, worker: WorkerStatus) -> str | None:
+        """The worker's engine metrics (Prometheus text), None when it does not answer:
+        what the capacity estimator learns from."""
         ...

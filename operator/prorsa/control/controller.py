@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from redis.exceptions import RedisError
 
 from prorsa.control.cluster import Cluster, ClusterUnavailable, WorkerStatus
+from prorsa.control.engine_metrics import EngineEvidence, parse_engine_metrics
 from prorsa.control.metrics import ControllerMetrics
 from prorsa.control.switch import SwitchOutcome, switch
 from prorsa.events.stream import EventReader
@@ -37,6 +38,7 @@ from prorsa.policy.allocate import (
 )
 from prorsa.policy.capacity import RoleCapacity
 from prorsa.policy.forecast import Forecast, RolloutMode, make_forecaster
+from prorsa.policy.learn import CapacityEstimator
 from prorsa.policy.lifecycle import LifecycleTable
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,20 @@ class ControllerConfig:
     # is on the workers) for the next controller to finish — an operator shutting down must
     # not hold its pod for a whole drain timeout
     finish_switches_on_stop: bool = True
+    # learn the capacity online from the workers' engine metrics, `capacity` as the prior
+    # (`policy/learn.py`); False: price every split with `capacity` as given
+    learn_capacity: bool = False
+    capacity_prior_rel_sd: float = 0.5  # how far the prior may be off (1 sd, relative)
+
+
+def capacity_text(c: RoleCapacity) -> str:
+    """A capacity in one line, as the decision log shows what the allocator prices with."""
+    return (
+        f"prefill {c.prefill_tokens_per_s:.0f} tok/s, decode step "
+        f"{1e3 * c.decode_base_step_s:.2f} ms + {1e3 * c.decode_s_per_seq:.3f} ms/seq + "
+        f"{1e6 * c.decode_s_per_kv_token:.4f} ms/1k KV, KV {c.kv_capacity_tokens:.0f} tokens, "
+        f"switch {c.switch_s:.0f} s"
+    )
 
 
 def cluster_view(workers: list[WorkerStatus]) -> ClusterView:
@@ -107,10 +123,25 @@ class Controller:
     switch_log: deque[SwitchRecord] = field(default_factory=lambda: deque(maxlen=1000), init=False)
     _switching: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict, init=False)
     _malformed_counted: int = field(default=0, init=False)
+    # switched workers: when they were relabelled, and whether they were seen not ready since
+    # (an engine restart); the switch's cost beyond its drain is learned when they are back
+    _restarting: dict[str, tuple[float, bool]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.settings, self.config.capacity)
         self.forecaster = make_forecaster("lifecycle", self.config.mode)
+        self.learner: CapacityEstimator | None = None
+        self.engine_evidence: EngineEvidence | None = None
+        if self.config.learn_capacity:
+            self.learner = CapacityEstimator(
+                self.config.capacity, prior_rel_sd=self.config.capacity_prior_rel_sd
+            )
+            self.engine_evidence = EngineEvidence(self.learner)
+
+    @property
+    def capacity(self) -> RoleCapacity:
+        """What the policy prices splits with now: the prior, or what was learned."""
+        return self.policy.capacity
 
     def update_settings(self, settings: AllocationSettings) -> bool:
         """Adopt edited allocation settings (a `kubectl edit` of the spec) from the next
@@ -119,7 +150,8 @@ class Controller:
             return False
         log.info("allocation settings changed: policy %s", settings.policy)
         self.config = replace(self.config, settings=settings)
-        self.policy = make_policy(settings, self.config.capacity)
+        capacity = self.policy.capacity  # what was learned so far stays learned
+        self.policy = make_policy(settings, capacity)
         return True
 
     # ---- switches -----------------------------------------------------------------------------
@@ -149,6 +181,7 @@ class Controller:
                 SwitchRecord(started_at, worker, from_role, to_role, out, seconds)
             )
             if out is SwitchOutcome.DONE:
+                self._restarting[worker] = (self.clock(), False)
                 self.switches_done += 1
                 self.metrics.switch_seconds.observe(seconds)
             elif out is SwitchOutcome.ROLLED_BACK:
@@ -186,9 +219,45 @@ class Controller:
 
     # ---- one decision -------------------------------------------------------------------------
 
+    async def learn_capacity(self, workers: list[WorkerStatus]) -> None:
+        """Read every serving worker's engine metrics and let the estimator learn from
+        them; the policy then prices splits with the estimate. A worker that does not answer
+        teaches nothing this time."""
+        if self.learner is None or self.engine_evidence is None:
+            return
+        evidence = self.engine_evidence
+        self._learn_switch_costs(workers)
+        serving = [w for w in workers if w.ready and not w.draining and w.url]
+        texts = await asyncio.gather(*(self.cluster.engine_metrics(w) for w in serving))
+        now = self.clock()
+        for w, text in zip(serving, texts, strict=True):
+            sample = parse_engine_metrics(text, now) if text else None
+            if sample is not None:
+                evidence.feed(w.name, w.role, sample)
+        known = {w.name for w in workers}
+        for gone in [n for n in evidence.workers if n not in known]:
+            evidence.forget(gone)
+        self.policy.capacity = self.learner.capacity()
+        self.metrics.observe_capacity(self.policy.capacity, self.learner.evidence())
+
+    def _learn_switch_costs(self, workers: list[WorkerStatus]) -> None:
+        assert self.learner is not None
+        by_name = {w.name: w for w in workers}
+        now = self.clock()
+        for name, (relabelled, restarted) in list(self._restarting.items()):
+            w = by_name.get(name)
+            if w is None:
+                del self._restarting[name]
+            elif not w.ready:
+                self._restarting[name] = (relabelled, True)
+            else:  # back: an engine restart cost the time since the relabel, routing nothing
+                self.learner.observe_switch(now - relabelled if restarted else 0.0)
+                del self._restarting[name]
+
     async def decide(self) -> Decision:
         now = self.clock()
         workers = await self.cluster.workers()
+        await self.learn_capacity(workers)
         view = cluster_view(workers)
         forecast = None
         if self.policy.uses_forecast:
@@ -224,8 +293,9 @@ class Controller:
                     f"prefill {fc.prefill_tokens_per_s[0]:.0f} tok/s, "
                     f"decode {fc.decode_seqs[0]:.1f} seqs"
                 )
-            log.info("decision: %s -> target %s (%s); forecast %s; switches: %s",
-                     view.allocation, d.target, d.reason, fc_text, moves)  # fmt: skip
+            learned = f"; capacity {capacity_text(self.policy.capacity)}" if self.learner else ""
+            log.info("decision: %s -> target %s (%s); forecast %s; switches: %s%s",
+                     view.allocation, d.target, d.reason, fc_text, moves, learned)  # fmt: skip
         self.last_decision, self.last_forecast = d, fc
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -260,6 +330,9 @@ class Controller:
                 if not recovered:
                     await self.reader.ensure_group()
                     await self.recover()
+                    ev = self.engine_evidence
+                    if ev is not None and not ev.workers:  # the engines' counters, at once
+                        await self.learn_capacity(await self.cluster.workers())
                     recovered = True
                 await self._consume()
                 if time.monotonic() >= next_decision:

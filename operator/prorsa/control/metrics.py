@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from prorsa.policy.capacity import RoleCapacity
+
 _SWITCH_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
@@ -51,6 +53,34 @@ class ControllerMetrics:
                                   registry=r)  # fmt: skip
         self.up = Gauge("prorsa_controller_redis_up", "1 when Redis answers, 0 while it does not",
                         registry=r)  # fmt: skip
+        # What the allocator prices splits with, as learned from the workers (policy/learn.py)
+        self.capacity = Gauge(
+            "prorsa_capacity", "Learned capacity of one worker per role, by figure",
+            ["figure"], registry=r,
+        )  # fmt: skip
+        self.capacity_evidence = Gauge(
+            "prorsa_capacity_evidence",
+            "What the learned capacity rests on: decayed samples, relative uncertainty (1 sd), "
+            "workers reporting KV, switches seen", ["quantity"], registry=r,
+        )  # fmt: skip
+
+    def observe_capacity(self, c: RoleCapacity, evidence: dict[str, float]) -> None:
+        for figure, value in capacity_figures(c).items():
+            self.capacity.labels(figure).set(value)
+        for quantity, value in evidence.items():
+            self.capacity_evidence.labels(quantity).set(value)
+
+
+def capacity_figures(c: RoleCapacity) -> dict[str, float]:
+    """The figures of a capacity the operator shows (status, metrics), in base units."""
+    return {
+        "prefill_tokens_per_second": c.prefill_tokens_per_s,
+        "decode_base_step_seconds": c.decode_base_step_s,
+        "decode_seconds_per_sequence": c.decode_s_per_seq,
+        "decode_seconds_per_kv_token": c.decode_s_per_kv_token,
+        "kv_capacity_tokens": c.kv_capacity_tokens,
+        "switch_seconds": c.switch_s,
+    }
 
 
 class ClusterMetrics(Collector):

@@ -21,7 +21,7 @@ from prorsa.kube import labels as L
 from prorsa.kube.api import ApiError, Conflict, KubeApi
 from prorsa.kube.discovery import pod_endpoint
 from prorsa.policy.allocate import Role
-from prorsa.worker.agent import engine_requests
+from prorsa.worker.agent import engine_metrics_text, engine_requests
 
 
 class KubeCluster:
@@ -49,7 +49,7 @@ class KubeCluster:
             if ep is None or pod["metadata"].get("deletionTimestamp"):
                 continue
             out.append(WorkerStatus(ep.name, ep.role, ep.ready, ep.draining, ep.target_role,
-                                    counts.get(ep.name, Inflight())))  # fmt: skip
+                                    counts.get(ep.name, Inflight()), ep.url))  # fmt: skip
         return out
 
     async def _patch(self, name: str, patch: dict[str, Any]) -> None:
@@ -85,3 +85,6 @@ class KubeCluster:
         pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
         ep = pod_endpoint(pod) if pod else None
         return None if ep is None else await engine_requests(ep.url)
+
+    async def engine_metrics(self, worker: WorkerStatus) -> str | None:
+        return await engine_metrics_text(worker.url, timeout_s=2.0) if worker.url else None

@@ -13,6 +13,7 @@ import base64
 import contextlib
 import datetime
 import logging
+import math
 import os
 import secrets
 import socket
@@ -44,6 +45,7 @@ from prorsa.kube.cluster import KubeCluster
 from prorsa.policy.allocate import Decision, Role, make_policy
 from prorsa.policy.capacity import RoleCapacity
 from prorsa.policy.forecast import Forecast
+from prorsa.sim.presets import prior_name
 
 log = logging.getLogger(__name__)
 _api: KubeApi | None = None
@@ -53,18 +55,50 @@ _NOMINAL = RoleCapacity(20_000.0, 0.02, 1e-4, 1e-8, 1e6)  # only initial role co
 
 
 def worker_capacity(spec: RolloutClusterSpec) -> RoleCapacity:
-    """The allocator's model of one worker: the simulator's datasheet cost model for the
-    spec's `allocation.capacityModel` and switch mode, each role's engine at its own size
-    (not calibrated from the workers' own timings)."""
+    """The allocator's model of one worker before it learns anything: the simulator's
+    datasheet cost model for the spec's `allocation.capacityModel` (auto: `AUTO_PRIOR`) and
+    switch mode, each role's engine at its own size. The controller corrects it online from
+    the workers' metrics unless `allocation.learnCapacity` is false."""
     from prorsa.sim.presets import STAGES, preset, role_preset
 
-    name, mode, w = spec.allocation.capacityModel, spec.kvTransfer.switchMode, spec.workers
+    mode, w = spec.kvTransfer.switchMode, spec.workers
+    name, _ = prior_name(spec.allocation.capacityModel)
     colocated = spec.allocation.policy == "colocated"
     if name not in STAGES:
         return preset(name, switch_mode=mode).role_capacity()
     gpus = {r: w.layout(r).gpus for r in Role}
     costs = role_preset(name, mode, gpus[Role.PREFILL], gpus[Role.DECODE], gpus[Role.MIXED])
     return costs.laid_out(colocated).role_capacity(colocated)
+
+
+def capacity_status(c: RoleCapacity, evidence: dict[str, float] | None) -> dict[str, Any]:
+    """`status.capacity`: what the allocator prices with, and what a learned figure rests on."""
+    out: dict[str, Any] = {
+        "source": "learned" if evidence is not None else "preset",
+        "prefillTokensPerSecond": round(c.prefill_tokens_per_s, 1),
+        "decodeBaseStepSeconds": round(c.decode_base_step_s, 6),
+        "decodeSecondsPerSequence": round(c.decode_s_per_seq, 8),
+        "decodeSecondsPerKvToken": float(f"{c.decode_s_per_kv_token:.4g}"),
+        "kvCapacityTokens": round(c.kv_capacity_tokens),
+        "switchSeconds": round(c.switch_s, 1),
+        "time": _now(),
+    }
+    if evidence is not None:
+
+        def finite(x: float) -> float:
+            return round(x, 4) if math.isfinite(x) else 1e9
+
+        out["evidence"] = {
+            "prefillSamples": round(evidence["prefill_samples"], 1),
+            "decodeSamples": round(evidence["decode_samples"], 1),
+            "prefillRelativeSd": finite(evidence["prefill_rel_sd"]),
+            "decodeRelativeSd": finite(evidence["decode_rel_sd"]),
+            "kvWorkers": int(evidence["kv_workers"]),
+            "switches": int(evidence["switches"]),
+            "prefillTokensSeen": round(evidence["prefill_tokens_seen"], 1),
+            "decodeBatchSeen": round(evidence["decode_batch_seen"], 2),
+        }
+    return out
 
 
 def router_image() -> str:
@@ -367,6 +401,9 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
         status: dict[str, Any] = {
             "lastDecision": {"target": str(d.target), "reason": d.reason, "time": _now()},
             "switchesTotal": ctl.switches_done,
+            "capacity": capacity_status(
+                ctl.capacity, ctl.learner.evidence() if ctl.learner else None
+            ),
         }
         if fc is not None:
             status["lastForecast"] = {
@@ -392,6 +429,8 @@ async def control_loop(name: str, namespace: str | None, body: kopf.Body,
             drain_timeout_s=spec.allocation.drainTimeoutSeconds,
             switch_mode=spec.kvTransfer.switchMode,
             finish_switches_on_stop=False,  # a restarted operator finishes them (recover)
+            learn_capacity=spec.allocation.learnCapacity,
+            capacity_prior_rel_sd=prior_name(spec.allocation.capacityModel)[1],
         ),
         on_decision=report,
     )

@@ -37,6 +37,29 @@ class Calibration:
         )
 
 
+def agreement(
+    cal: Calibration,
+    learned: RoleCapacity,
+    tokens: float = 1024.0,
+    context: float = 0.0,
+    batch: float = 8.0,
+    kv: float | None = None,
+) -> dict[str, float]:
+    """How far a capacity learned online lies from the offline calibration, relative: the
+    seconds to prefill `tokens` new tokens over `context` cached ones, and a decode step of
+    `batch` sequences holding `kv` KV tokens (default: the calibration's own short sequences,
+    ~50 tokens each). The calibration has no context or KV term: it measured fresh prompts
+    and short sequences."""
+    kv = 50.0 * batch if kv is None else kv
+    cal_prefill = cal.prefill_fixed_s + tokens / cal.prefill_tokens_per_s
+    cal_step = cal.decode_step_s + cal.decode_s_per_seq * max(batch - 1, 0.0)
+    prefill = tokens / learned.prefill_tokens_per_s * learned.prefill_slowdown(context)
+    return {
+        "prefill_s": prefill / cal_prefill - 1.0,
+        "decode_step_s": learned.decode_step_s(batch, kv) / cal_step - 1.0,
+    }
+
+
 def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg

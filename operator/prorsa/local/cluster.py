@@ -14,7 +14,7 @@ from prorsa.events.inflight import Inflight
 from prorsa.events.keys import ClusterKeys
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
-from prorsa.worker.agent import engine_requests
+from prorsa.worker.agent import engine_metrics_text, engine_requests
 
 
 class LocalCluster:
@@ -36,6 +36,7 @@ class LocalCluster:
                 draining=r.draining,
                 target_role=r.target_role,
                 inflight=counts.get(r.name, Inflight()),
+                url=r.url,
             )
             for r in records
         ]
@@ -56,6 +57,9 @@ class LocalCluster:
         async with _redis():
             url = next((r.url for r in await self.registry.list() if r.name == name), None)
         return None if url is None else await engine_requests(url)
+
+    async def engine_metrics(self, worker: WorkerStatus) -> str | None:
+        return await engine_metrics_text(worker.url, timeout_s=2.0) if worker.url else None
 
 
 @asynccontextmanager

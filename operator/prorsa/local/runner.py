@@ -25,10 +25,11 @@ from rich.live import Live
 from rich.table import Table
 
 from prorsa.control.cluster import WorkerStatus
-from prorsa.control.controller import Controller, ControllerConfig, SwitchRecord
+from prorsa.control.controller import Controller, ControllerConfig, SwitchRecord, capacity_text
+from prorsa.control.metrics import capacity_figures
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventReader
-from prorsa.local.calibrate import Calibration, calibrate
+from prorsa.local.calibrate import Calibration, agreement, calibrate
 from prorsa.local.cluster import LocalCluster
 from prorsa.local.driver import DriveResult, Progress, Scale, drive, scale_scripts
 from prorsa.local.model import check_model_dir, make_tiny_model
@@ -40,6 +41,7 @@ from prorsa.policy.capacity import RoleCapacity
 from prorsa.policy.forecast import Forecast
 from prorsa.policy.lifecycle import State
 from prorsa.sim.config import TimelinePoint, timeline_row
+from prorsa.sim.presets import PRESET_PRIOR_REL_SD, preset, prior_name
 from prorsa.sim.workload import generate, load_workload
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,10 @@ class LocalOptions:
     model: Path | None = None  # a Hugging Face-format directory (default: the tiny model)
     scale: Scale = field(default_factory=Scale)
     live: bool = True
+    # what the controller prices splits with: "calibrated" (the offline calibration), "auto"
+    # or a preset (their datasheet); corrected online from the workers' metrics if learning
+    capacity_model: str = "calibrated"
+    learn_capacity: bool = True
     json_out: Path | None = None  # the run as JSON (per-turn timings, switches, timeline)
     plot: Path | None = None  # the run as a picture (`prorsa.plot`)
     # decisions at CPU pace: the workload's tool latencies are scaled by `scale.time`
@@ -78,6 +84,8 @@ class PolicyRun:
     timeline: list[TimelinePoint] = field(default_factory=list)  # one point per decision
     switch_log: list[SwitchRecord] = field(default_factory=list)
     started_at: float = 0.0  # the controller's clock when the rollout started
+    capacity: RoleCapacity | None = None  # what the controller priced with at the end
+    evidence: dict[str, float] | None = None  # what it had learned it from (None: not learning)
 
     def to_json(self) -> dict[str, Any]:
         """The same fields `prorsa simulate --json` writes for a policy, and what only a real
@@ -106,6 +114,8 @@ class PolicyRun:
                 }
                 for sw in self.switch_log
             ],
+            "capacity": capacity_figures(self.capacity) if self.capacity else None,
+            "capacity_evidence": self.evidence,
             "errors": r.errors,
         }
 
@@ -137,10 +147,11 @@ def run_document(opts: LocalOptions, runs: list[PolicyRun], cal: Calibration,
 
 class _Timeline:
     """Records a `TimelinePoint` at each decision: roles, forecast vs what the lifecycle
-    table saw since the last one, and the capacity the roles give."""
+    table saw since the last one, and the capacity the roles give as the controller prices
+    them."""
 
-    def __init__(self, cluster: LocalCluster, capacity: RoleCapacity) -> None:
-        self.cluster, self.capacity = cluster, capacity
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
         self.points: list[TimelinePoint] = []
         self.t0 = time.monotonic()
         self._last = (self.t0, 0)
@@ -149,6 +160,7 @@ class _Timeline:
     async def on_decision(self, _: Decision, fc: Forecast | None) -> None:
         assert self.ctl is not None
         table, now = self.ctl.table, time.monotonic()
+        capacity = self.ctl.capacity  # as priced at this decision (learned, if learning)
         roles = [w.role for w in await self.cluster.workers()]
         n = {r: roles.count(r) for r in Role}
         last_t, last_submitted = self._last
@@ -163,11 +175,10 @@ class _Timeline:
                 actual_prefill_tps=(table.submitted_tokens_total - last_submitted) / dt,
                 forecast_decode=fc.decode_seqs[0] if fc else 0.0,
                 actual_decode=table.count(State.DECODE),
-                prefill_capacity_tps=n[Role.PREFILL] * self.capacity.prefill_tokens_per_s,
+                prefill_capacity_tps=n[Role.PREFILL] * capacity.prefill_tokens_per_s,
                 forecast_decode_kv=fc.decode_kv_tokens[0] if fc else 0.0,
                 actual_decode_kv=float(table.decode_context_tokens),
-                decode_kv_capacity=(n[Role.DECODE] + n[Role.MIXED])
-                * self.capacity.kv_capacity_tokens,
+                decode_kv_capacity=(n[Role.DECODE] + n[Role.MIXED]) * capacity.kv_capacity_tokens,
             )
         )
         self._last = (now, table.submitted_tokens_total)
@@ -215,20 +226,27 @@ async def run_policy(
     await asyncio.sleep(1.0)  # the router sees the roles
     spec = load_workload(opts.workload)
     scripts = scale_scripts(generate(spec, opts.trajectories, opts.seed), opts.scale)
-    timeline = _Timeline(cluster, capacity.capacity())
+    prior, prior_rel_sd = capacity.capacity(), PRESET_PRIOR_REL_SD
+    if opts.capacity_model != "calibrated":
+        name, prior_rel_sd = prior_name(opts.capacity_model)
+        prior = preset(name).role_capacity()
+    timeline = _Timeline(cluster)
     ctl = Controller(
         cluster,
         EventReader(redis, keys.events, group=f"prorsa-{policy}"),
         ControllerConfig(
             settings,
-            capacity.capacity(),
+            prior,
             mode=opts.mode,  # type: ignore[arg-type]
             drain_timeout_s=30.0,
             settle_s=1.0,
+            learn_capacity=opts.learn_capacity,
+            capacity_prior_rel_sd=prior_rel_sd,
         ),
         on_decision=timeline.on_decision,
     )
     timeline.ctl = ctl
+    await ctl.learn_capacity(await cluster.workers())  # the engines' counters before the run
     started_at = ctl.clock()
     stop = asyncio.Event()
     control = asyncio.create_task(ctl.run(stop))
@@ -256,8 +274,9 @@ async def run_policy(
             view.cancel()
             stop.set()
             await control
+    evidence = ctl.learner.evidence() if ctl.learner else None
     return PolicyRun(policy, result, ctl.switches_done, ctl.decisions_made, timeline.points,
-                     list(ctl.switch_log), started_at)  # fmt: skip
+                     list(ctl.switch_log), started_at, ctl.capacity, evidence)  # fmt: skip
 
 
 def _summary(runs: list[PolicyRun], console: Console) -> None:
@@ -277,6 +296,26 @@ def _summary(runs: list[PolicyRun], console: Console) -> None:
     for r in runs:
         for e in r.result.errors[:3]:
             console.print(f"[red]{r.policy}:[/red] {e}")
+
+
+def _learned(runs: list[PolicyRun], cal: Calibration, console: Console) -> None:
+    """What the controller learned online, beside the offline calibration."""
+    for r in runs:
+        if r.capacity is None or r.evidence is None:
+            continue
+        ev = r.evidence
+        seen = agreement(cal, r.capacity, ev["prefill_tokens_seen"], 0.0,
+                         ev["decode_batch_seen"], ev["decode_kv_seen"])  # fmt: skip
+        ref = agreement(cal, r.capacity)
+        console.print(
+            f"• {r.policy}: learned online {capacity_text(r.capacity)} "
+            f"({ev['prefill_samples']:.1f} prefill / {ev['decode_samples']:.1f} decode windows). "
+            f"Against the offline calibration where the run measured (prefill of "
+            f"{ev['prefill_tokens_seen']:.0f} tokens, decode batch {ev['decode_batch_seen']:.1f}"
+            f"): prefill {100 * seen['prefill_s']:+.0f}%, decode step "
+            f"{100 * seen['decode_step_s']:+.0f}%; at 1,024 tokens and batch 8: prefill "
+            f"{100 * ref['prefill_s']:+.0f}%, decode step {100 * ref['decode_step_s']:+.0f}%"
+        )
 
 
 async def run_local(opts: LocalOptions, console: Console) -> int:
@@ -320,6 +359,7 @@ async def run_local(opts: LocalOptions, console: Console) -> int:
             console.print(f"• running {policy}")
             runs.append(await run_policy(opts, stack, redis, cal, policy, console))
         _summary(runs, console)
+        _learned(runs, cal, console)
         if opts.json_out is not None or opts.plot is not None:
             name = opts.model.name if opts.model is not None else "tiny random Llama"
             doc = run_document(opts, runs, cal, name)

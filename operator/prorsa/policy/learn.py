@@ -78,6 +78,24 @@ class _Fit:
         self.n += 1
 
 
+@dataclass
+class _Mean:
+    """The mean of the last ~`window` values of a few quantities (an exponential average)."""
+
+    width: int
+    window: float = 50.0
+    mean: tuple[float, ...] = ()
+    n: int = 0
+
+    def add(self, values: tuple[float, ...]) -> None:
+        self.n += 1
+        a = 1.0 / min(self.n, self.window)
+        self.mean = tuple(m + a * (v - m) for m, v in zip(self.mean, values, strict=True))
+
+    def __post_init__(self) -> None:
+        self.mean = (0.0,) * self.width
+
+
 def _sd(values: np.ndarray, rel: float, floor: np.ndarray) -> np.ndarray:
     sd: np.ndarray = np.maximum(np.abs(values) * rel, floor)
     return sd
@@ -96,6 +114,10 @@ class CapacityEstimator:
     _kv: dict[str, float] = field(default_factory=dict, init=False)
     _switch_s: float | None = field(default=None, init=False)
     switches_seen: int = field(default=0, init=False)
+    # where the evidence was measured: running means of what each fit saw (a fit is only
+    # known near its evidence; elsewhere it is the prior's shape)
+    _prefill_at: _Mean = field(default_factory=lambda: _Mean(2), init=False)
+    _decode_at: _Mean = field(default_factory=lambda: _Mean(2), init=False)
 
     def __post_init__(self) -> None:
         p = self.prior
@@ -123,6 +145,7 @@ class CapacityEstimator:
         self._age(now)
         if tokens > 0:
             self._prefill.add(np.array([1.0, tokens, tokens * context]), seconds, now)
+            self._prefill_at.add((tokens, context))
 
     def observe_decode_step(self, batch: float, kv_tokens: float, seconds: float,
                             now: float) -> None:  # fmt: skip
@@ -130,6 +153,7 @@ class CapacityEstimator:
         self._age(now)
         if batch > 0:
             self._decode.add(np.array([1.0, batch, kv_tokens]), seconds, now)
+            self._decode_at.add((batch, kv_tokens))
 
     def observe_kv_capacity(self, worker: str, tokens: float) -> None:
         """What a decode worker's engine allocated (cache blocks x block size)."""
@@ -188,4 +212,8 @@ class CapacityEstimator:
             "decode_rel_sd": dec_sd / dec if dec > 0 else math.inf,
             "kv_workers": float(len(self._kv)),
             "switches": float(self.switches_seen),
+            "prefill_tokens_seen": self._prefill_at.mean[0],
+            "prefill_context_seen": self._prefill_at.mean[1],
+            "decode_batch_seen": self._decode_at.mean[0],
+            "decode_kv_seen": self._decode_at.mean[1],
         }

@@ -25,6 +25,20 @@ PRESETS: dict[str, tuple[str, str, int]] = {
     "h200-qwen3-235b": ("h200", "qwen3-235b", 8),
 }
 
+# `capacityModel: auto`: the capacity is learned online from the workers' metrics, starting from
+# this datasheet with a wide prior (1 sd = the figure itself); a preset the user names is
+# trusted more (1 sd = half of it), since they picked the hardware and model class.
+AUTO_PRIOR = "h200-dense-8b"
+AUTO_PRIOR_REL_SD = 1.0
+PRESET_PRIOR_REL_SD = 0.5
+
+
+def prior_name(capacity_model: str) -> tuple[str, float]:
+    """The preset a capacity model starts from, and how far it may be off (1 sd, relative)."""
+    if capacity_model == "auto":
+        return AUTO_PRIOR, AUTO_PRIOR_REL_SD
+    return capacity_model, PRESET_PRIOR_REL_SD
+
 
 # Stage-specific parallelism of the expert-parallel presets: GPUs per prefill, decode and
 # colocated engine. Prefill needs no more than the weights' unit (its throughput per GPU is

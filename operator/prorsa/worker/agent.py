@@ -68,16 +68,27 @@ def pin_process_group(pgid: int, cores: set[int]) -> int:
     return pinned
 
 
-async def engine_requests(url: str, session: aiohttp.ClientSession | None = None) -> int | None:
-    """Requests running or waiting in the engine (its Prometheus metrics); None when it does
-    not answer."""
+async def engine_metrics_text(
+    url: str, session: aiohttp.ClientSession | None = None, timeout_s: float = 5.0
+) -> str | None:
+    """The engine's Prometheus metrics as text; None when it does not answer."""
     try:
         if session is None:
             async with aiohttp.ClientSession() as s:
-                return await engine_requests(url, s)
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            text = await r.text()
-    except (aiohttp.ClientError, TimeoutError):
+                return await engine_metrics_text(url, s, timeout_s)
+        async with session.get(
+            url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            return await r.text() if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+
+
+async def engine_requests(url: str, session: aiohttp.ClientSession | None = None) -> int | None:
+    """Requests running or waiting in the engine (its Prometheus metrics); None when it does
+    not answer."""
+    text = await engine_metrics_text(url, session)
+    if text is None:
         return None
     busy = 0.0
     for line in text.splitlines():
