@@ -6,6 +6,7 @@ Prints figures, asserts nothing. Every ratio is against a baseline measured in t
     .venv/bin/python benchmarks/brain.py --only table --workloads swe --modes sync
     .venv/bin/python benchmarks/brain.py --only moe     # DeepSeek-V3, 128 H200, EP units
     .venv/bin/python benchmarks/brain.py --only moe --moe-gpus 256 --prefix-pull off --seeds 1
+    .venv/bin/python benchmarks/brain.py --only learn --preset h200-deepseek-v3 --gpus 128
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ from prorsa.sim.config import SimConfig, SimResult
 from prorsa.sim.costmodel import Cost, CostModel, ScaledCost
 from prorsa.sim.engine import Simulator
 from prorsa.sim.lockstep import LockstepCost
-from prorsa.sim.presets import preset, role_preset
+from prorsa.sim.presets import STAGES, preset, role_preset
 from prorsa.sim.roles import RoleCosts
 from prorsa.sim.workload import BUILTIN, WorkloadSpec, generate, load_workload
+
+# The expert-parallel regime's settings: a switch restarts engines (~300 s), so the horizon
+# covers three of them; predictive and reactive start with one prefill slot instead of none.
+EP_SETTINGS = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0, initial_prefill=1)
 
 
 def table(
@@ -371,7 +376,8 @@ def noise_floor(
 
 
 def learn(workloads: list[str], modes: list[str], gpus: int, preset_name: str, jobs: int,
-          prefill_speed: float = 0.5, decode_slowdown: float = 1.5) -> None:  # fmt: skip
+          prefill_speed: float = 0.5, decode_slowdown: float = 1.5,
+          settings: AllocationSettings | None = None) -> None:  # fmt: skip
     """The capacity learned online (`policy/learn.py`): the cluster is `prefill_speed` times
     as fast at prefill and `decode_slowdown` times as slow per decode step as the preset the
     allocator starts from. Predictive given the true capacity, given only the preset, and
@@ -386,7 +392,8 @@ def learn(workloads: list[str], modes: list[str], gpus: int, preset_name: str, j
           " learned / true |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for wl, spec, mode in _cases(workloads, modes):
-        cfg = SimConfig(gpus=gpus, mode=mode, seed=0)  # type: ignore[arg-type]
+        cfg = SimConfig(gpus=gpus, mode=mode, seed=0,  # type: ignore[arg-type]
+                        settings=settings or AllocationSettings())  # fmt: skip
         runs = [(true, spec, c, "predictive") for c in (
             cfg, replace(cfg, capacity_prior=prior),
             replace(cfg, capacity_prior=prior, learn_capacity=True))]  # fmt: skip
@@ -416,6 +423,10 @@ def main() -> None:
     ap.add_argument("--prefix-pull", choices=["on", "off"], default=None,
                     help="--only moe: one of the two tables (default: both)")  # fmt: skip
     ap.add_argument("--moe-gpus", default="128", help="--only moe: comma-separated GPU counts")
+    ap.add_argument("--prefill-speed", type=float, default=0.5,
+                    help="--only learn: true prefill speed / the preset's")  # fmt: skip
+    ap.add_argument("--decode-slowdown", type=float, default=1.5,
+                    help="--only learn: true decode step / the preset's")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                     help="simulations in parallel processes (default: one per CPU)")  # fmt: skip
     a = ap.parse_args()
@@ -426,7 +437,7 @@ def main() -> None:
         # (colocated: EP32), with and without the prefix-pull what-if. A switch restarts the
         # engines (~300 s), so the horizon covers three of them. Predictive and reactive
         # start with one prefill slot instead of none: every switch costs an engine restart.
-        ep = replace(AllocationSettings(), horizon_s=900.0, interval_s=15.0, initial_prefill=1)
+        ep = EP_SETTINGS
         wls, modes = a.workloads.split(","), a.modes.split(",")
         for gpus in (int(g) for g in a.moe_gpus.split(",")):
             for pull in (False, True) if a.prefix_pull is None else (a.prefix_pull == "on",):
@@ -447,7 +458,9 @@ def main() -> None:
     if a.only in (None, "headroom"):
         headroom()
     if a.only in (None, "learn"):
-        learn(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.jobs)
+        staged = a.preset in STAGES  # expert-parallel engines: the settings of --only moe
+        learn(a.workloads.split(","), a.modes.split(","), a.gpus, a.preset, a.jobs,
+              a.prefill_speed, a.decode_slowdown, EP_SETTINGS if staged else None)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ def make_tiny_model(path: Path, *, vocab_size: int = 512, seed: int = 0) -> Path
         vocab_size=vocab_size,
         special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars print blank lines on a terminal-less run
     )
     tok.train_from_iterator(CORPUS, trainer)
     fast: Any = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]

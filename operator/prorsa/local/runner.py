@@ -307,14 +307,24 @@ def _learned(runs: list[PolicyRun], cal: Calibration, console: Console) -> None:
         seen = agreement(cal, r.capacity, ev["prefill_tokens_seen"], 0.0,
                          ev["decode_batch_seen"], ev["decode_kv_seen"])  # fmt: skip
         ref = agreement(cal, r.capacity)
+        where, far = [], []
+        if ev["prefill_samples"] > 0:  # only prefill workers teach prefill (none at 0P)
+            where.append(f"prefill of {ev['prefill_tokens_seen']:.0f} tokens "
+                         f"{100 * seen['prefill_s']:+.0f}%")  # fmt: skip
+            far.append(f"prefill {100 * ref['prefill_s']:+.0f}%")
+        if ev["decode_samples"] > 0:
+            where.append(f"decode step at batch {ev['decode_batch_seen']:.1f} "
+                         f"{100 * seen['decode_step_s']:+.0f}%")  # fmt: skip
+            far.append(f"decode step {100 * ref['decode_step_s']:+.0f}%")
         console.print(
             f"• {r.policy}: learned online {capacity_text(r.capacity)} "
-            f"({ev['prefill_samples']:.1f} prefill / {ev['decode_samples']:.1f} decode windows). "
-            f"Against the offline calibration where the run measured (prefill of "
-            f"{ev['prefill_tokens_seen']:.0f} tokens, decode batch {ev['decode_batch_seen']:.1f}"
-            f"): prefill {100 * seen['prefill_s']:+.0f}%, decode step "
-            f"{100 * seen['decode_step_s']:+.0f}%; at 1,024 tokens and batch 8: prefill "
-            f"{100 * ref['prefill_s']:+.0f}%, decode step {100 * ref['decode_step_s']:+.0f}%"
+            f"({ev['prefill_samples']:.1f} prefill / {ev['decode_samples']:.1f} decode windows)."
+            + (
+                f" Against the offline calibration where the run measured: {', '.join(where)}; "
+                f"at 1,024 tokens and batch 8: {', '.join(far)}"
+                if where
+                else ""
+            )
         )
 
 
