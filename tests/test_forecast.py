@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import turn
@@ -151,3 +152,23 @@ def test_every_forecast_reports_the_share_of_prefill_that_recomputes_evicted_con
         assert thrashing.recompute_fraction > 0.8
         assert warm.recompute_fraction < 0.05
         assert thrashing.resident_kv_tokens == warm.resident_kv_tokens == 50 * 6500
+
+
+@pytest.mark.parametrize(("first_prompt", "expected"), [(20_000, 512.0), (70, 70.0)])
+def test_before_any_tool_output_a_returning_turn_is_sized_as_an_observation(
+    first_prompt: int, expected: float
+) -> None:
+    """The opening of a rollout: every trajectory has sent its first prompt and none has
+    returned from a tool. A returning turn appends a tool observation, no larger than a
+    typical one (512 tokens) nor than the task's own prompt: a 20K-token task does not come
+    back with 20K tokens per turn (it did: 380x the real prefill on a sampled workload)."""
+    tab = LifecycleTable()
+    for i in range(100):
+        tab.ingest([Event(EventType.TRAJ_START, f"t{i}", 0.0), submit(f"t{i}", 0.0, first_prompt)])
+    assert tab.stats.mean_tool_output() == expected
+    assert tab.stats.tool_output_after(np.array([1, 2, 8])).tolist() == [expected] * 3
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, 1.0, H)
+    # at most every trajectory returns once within the horizon, each with one observation
+    assert sum(fc.prefill_tokens_per_s) * H.step_s <= 100 * expected * 1.01
+    tab.ingest(turn("t0", 30.0, first_prompt + 5000, 5000, 10))  # an observation is seen
+    assert tab.stats.mean_tool_output() > expected or (expected == 512.0 and first_prompt > 5000)

@@ -174,8 +174,8 @@ class LifecycleForecaster:
         f = dt / sub
         m_bins = n * sub
         tpot = st.tpot(0.02)
-        mean_tool_out = st.tool_output_tokens.get(st.first_prompt_tokens.get(512.0))
         first_prompt = st.first_prompt_tokens.get(512.0)
+        mean_tool_out = st.mean_tool_output()
         prefill_lag = st.prefill_latency_s.get(0.0)
         mu_all = st.output_len.mean if st.output_len.n > 0 else math.log(256.0)
         recompute = st.recompute_share.get(0.0)

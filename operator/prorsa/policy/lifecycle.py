@@ -93,6 +93,9 @@ class Trajectory:
     mean_tool_output: float | None  # recency-weighted tokens its turns append
 
 
+TOOL_OUTPUT_PRIOR = 512.0  # tokens of a tool observation before any was seen
+
+
 @dataclass
 class LearnedStats:
     """Distributions learned online from completed work."""
@@ -150,12 +153,19 @@ class LearnedStats:
         by_bin: np.ndarray = (c + prior * self.p_continue) / (c + s + prior)
         return np.take(by_bin, turn_bins(turns))
 
+    def mean_tool_output(self) -> float:
+        """Tokens a returning turn appends: as learned; before any was seen, a typical tool
+        observation no larger than the task's first prompt (an agent's observations of a
+        small task are small; those of a large task are not each as large as the task)."""
+        first = self.first_prompt_tokens.get(TOOL_OUTPUT_PRIOR)
+        return self.tool_output_tokens.get(min(first, TOOL_OUTPUT_PRIOR))
+
     def tool_output_after(self, turns: np.ndarray) -> np.ndarray:
         """Expected tokens appended before turn k + 1 for each k, shrunk toward the overall
         mean."""
         sums, n = np.array(self.tool_out_sum_by_turn), np.array(self.tool_out_n_by_turn)
         prior = 4.0
-        overall = self.tool_output_tokens.get(512.0)
+        overall = self.mean_tool_output()
         by_bin: np.ndarray = (sums + prior * overall) / (n + prior)
         return np.take(by_bin, turn_bins(turns + 1))
 
