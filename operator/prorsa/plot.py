@@ -134,7 +134,9 @@ def plot_run(doc: Mapping[str, Any], path: Path) -> Path:
             color=_colour(shown) or "tab:green", ls="--")  # fmt: skip
     ax.step(t, _col(tl, "prefill_capacity_tps", 1 / k), where="post", lw=1.5,
             label="prefill pool capacity", color="tab:red")  # fmt: skip
-    ax.set_ylim(0, 1.4 * top / k)
+    # the pool's capacity stays in view unless it dwarfs the demand (then the demand matters)
+    cap = max(_col(tl, "prefill_capacity_tps"), default=0.0)
+    ax.set_ylim(0, max(1.4 * top, min(1.1 * cap, 4.0 * top)) / k)
     ax.set_title(f"prefill demand vs capacity ({results[shown].get('label') or shown})")
     ax.set_xlabel("time (s)")
     ax.set_ylabel(f"prefill {unit}tokens/s")
