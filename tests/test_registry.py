@@ -156,3 +156,40 @@ def test_switch_waits_for_the_engine_too_when_routers_report_zero(redis_url: str
             assert await cluster.engine_inflight("w0") == 1
 
     asyncio.run(main())
+
+
+def test_a_restarting_switch_waits_for_kv_another_worker_has_not_pulled_yet(
+    redis_url: str,
+) -> None:
+    """Restart mode: a decode worker that prefilled a turn for another decode worker (load
+    shedding) holds its KV until that one pulls it; the routers count it as the source's
+    in-flight prefill. Restarting the engine before the pull lost the turn (a NIXL
+    remote-disconnect seen in e2e), so the drain waits for it, though no decode is in flight."""
+
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            await cluster.registry.register("w0", "http://127.0.0.1:9", Role.DECODE)  # no engine
+            stop = asyncio.Event()
+            pulling = asyncio.create_task(_report(r, "w0", 1, 0, stop))
+            sw = asyncio.create_task(switch(cluster, "w0", Role.PREFILL, settle_s=0.1,
+                                            poll_s=0.05, engine_check=True))  # fmt: skip
+            await asyncio.sleep(0.6)
+            assert not sw.done()  # routing mode would have relabelled here
+            stop.set()
+            await pulling
+            stop2 = asyncio.Event()
+            pulled = asyncio.create_task(_report(r, "w0", 0, 0, stop2))
+            assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
+            stop2.set()
+            await pulled
+            # routing mode: the engine keeps the KV, so only the old role's work counts
+            await cluster.registry.register("w1", "http://127.0.0.1:9", Role.DECODE)
+            stop3 = asyncio.Event()
+            shedding = asyncio.create_task(_report(r, "w1", 1, 0, stop3))
+            out = await switch(cluster, "w1", Role.PREFILL, settle_s=0.1, poll_s=0.05)
+            stop3.set()
+            await shedding
+            assert out is SwitchOutcome.DONE
+
+    asyncio.run(main())

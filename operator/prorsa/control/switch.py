@@ -56,9 +56,12 @@ async def switch(
     poll_s: float = 0.2,
     engine_check: bool = False,
 ) -> SwitchOutcome:
-    """`engine_check`: also require the engine's own metrics to agree (switch mode `restart`,
-    where a draining worker gets no new work at all and its engine is about to restart; in
-    `routing` mode it may already run work of its new role that no report has counted yet)."""
+    """`engine_check` (switch mode `restart`, where a draining worker gets no new work at all
+    and its engine is about to restart): wait until nothing at all is in flight on the worker,
+    not only work of its old role — a decode worker that prefilled a turn for another (load
+    shedding) holds that KV until the other has pulled it, and a restart would lose it — and
+    until the engine's own metrics agree. In `routing` mode the engine keeps running, and it
+    may already run work of its new role that no report has counted yet."""
     w = await _status(cluster, name, poll_s)
     if w is None or (w.role is target and not w.draining):
         return SwitchOutcome.SKIPPED
@@ -68,7 +71,7 @@ async def switch(
     deadline = time.monotonic() + drain_timeout_s
     while not (
         w.inflight.as_of >= marked + settle_s
-        and w.old_role_inflight() == 0
+        and (w.inflight.total if engine_check else w.old_role_inflight()) == 0
         and (not engine_check or await _engine_agrees(cluster, w))
     ):
         if time.monotonic() > deadline:
