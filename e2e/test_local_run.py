@@ -51,8 +51,8 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
     the prefills the pool served, the batch the decode worker ran), while the prior did not;
     the decision log shows the learned figures. The calibration runs on an idle machine; in
     the rollout the router, the agent loops and the controller share the two cores with the
-    engines: over six runs the learned figures came out at -13% to +31% (prefill) and -2% to
-    +29% (decode step) of the calibration, so the bound here is 40%: a guard against learning
+    engines: over five runs the learned figures came out at -13% to +31% (prefill) and -2% to
+    +23% (decode step) of the calibration, so the bound here is 40%: a guard against learning
     the wrong thing, not the issue's 20% target, which the closing notes report run by run."""
     stack = local_stack
 
