@@ -17,7 +17,7 @@ from rich.table import Table
 from prorsa.policy.allocate import AllocationSettings
 from prorsa.sim.compare import ALL_POLICIES, Comparison, compare
 from prorsa.sim.config import SimConfig
-from prorsa.sim.presets import PRESETS, preset, role_preset
+from prorsa.sim.presets import PRESETS, role_preset
 from prorsa.sim.workload import WorkloadError, load_workload
 
 if TYPE_CHECKING:
@@ -532,10 +532,9 @@ def controller(
         if capacity == "auto" and not learn_capacity:
             raise ValueError("--capacity auto is learned online: drop --no-learn-capacity or "
                              "name a preset")  # fmt: skip
-        from prorsa.sim.presets import prior_name
+        from prorsa.sim.presets import prior_capacity
 
-        prior, prior_rel_sd = prior_name(capacity)
-        role_capacity = preset(prior).role_capacity()
+        role_capacity, prior_rel_sd = prior_capacity(capacity)
         from prorsa.policy.allocate import make_policy
 
         make_policy(settings, role_capacity)  # unknown policy: fail here, clearly

@@ -330,9 +330,6 @@ class Controller:
                 if not recovered:
                     await self.reader.ensure_group()
                     await self.recover()
-                    ev = self.engine_evidence
-                    if ev is not None and not ev.workers:  # the engines' counters, at once
-                        await self.learn_capacity(await self.cluster.workers())
                     recovered = True
                 await self._consume()
                 if time.monotonic() >= next_decision:

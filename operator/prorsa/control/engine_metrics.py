@@ -111,7 +111,6 @@ class EngineEvidence:
     def __init__(self, estimator: CapacityEstimator) -> None:
         self.estimator = estimator
         self._last: dict[str, EngineSample] = {}
-        self.windows = 0  # windows that taught something
 
     @property
     def workers(self) -> list[str]:
@@ -133,7 +132,6 @@ class EngineEvidence:
         if any(v < 0 for v in (*d_sum.values(), *d_cnt.values())):
             return  # the engine restarted: its counters began again
         window = sample.t - prev.t
-        taught = False
         n = d_cnt["prefill_s"]
         if role is not Role.DECODE and n > 0 and d_cnt["computed"] > 0:
             new = d_sum["computed"] / d_cnt["computed"]
@@ -145,18 +143,16 @@ class EngineEvidence:
             seconds = min(d_sum["prefill_s"] / per_step, window) / n
             if new >= 1:
                 est.observe_prefill(new, max(prompt - new, 0.0), seconds, now)
-                taught = True
         if role is not Role.PREFILL and d_cnt["itl"] > 0:
             if d_cnt["step_tokens"] > 0:
                 batch = d_cnt["itl"] / d_cnt["step_tokens"]
             else:
                 batch = (prev.running + sample.running) / 2
             # every sequence of a step waited for the prefill tokens it carried
-            local_prefill_s = d_sum["computed"] / est.capacity().local_prefill_rate
+            local = d_sum["computed"]
+            local_prefill_s = local / est.capacity().local_prefill_rate if local else 0.0
             itl = d_sum["itl"] - batch * local_prefill_s
             step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
             kv = (prev.kv_tokens + sample.kv_tokens) / 2
             if batch > 0:
                 est.observe_decode_step(batch, kv, step, now)
-                taught = True
-        self.windows += taught

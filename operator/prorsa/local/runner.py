@@ -41,7 +41,7 @@ from prorsa.policy.capacity import RoleCapacity
 from prorsa.policy.forecast import Forecast
 from prorsa.policy.lifecycle import State
 from prorsa.sim.config import TimelinePoint, timeline_row
-from prorsa.sim.presets import PRESET_PRIOR_REL_SD, preset, prior_name
+from prorsa.sim.presets import PRESET_PRIOR_REL_SD, prior_capacity
 from prorsa.sim.workload import generate, load_workload
 
 log = logging.getLogger(__name__)
@@ -228,8 +228,7 @@ async def run_policy(
     scripts = scale_scripts(generate(spec, opts.trajectories, opts.seed), opts.scale)
     prior, prior_rel_sd = capacity.capacity(), PRESET_PRIOR_REL_SD
     if opts.capacity_model != "calibrated":
-        name, prior_rel_sd = prior_name(opts.capacity_model)
-        prior = preset(name).role_capacity()
+        prior, prior_rel_sd = prior_capacity(opts.capacity_model)
     timeline = _Timeline(cluster)
     ctl = Controller(
         cluster,

@@ -7,6 +7,7 @@ to the smallest unit the FP8 weights fit in with room for KV.
 
 from __future__ import annotations
 
+from prorsa.policy.capacity import RoleCapacity
 from prorsa.sim.costmodel import Cost, CostModel, Efficiency
 from prorsa.sim.hardware import HARDWARE, MODELS
 from prorsa.sim.lockstep import LockstepCost
@@ -38,6 +39,14 @@ def prior_name(capacity_model: str) -> tuple[str, float]:
     if capacity_model == "auto":
         return AUTO_PRIOR, AUTO_PRIOR_REL_SD
     return capacity_model, PRESET_PRIOR_REL_SD
+
+
+def prior_capacity(capacity_model: str) -> tuple[RoleCapacity, float]:
+    """One-GPU workers' capacity for a capacity model (auto or a preset) and how far it may
+    be off: the prior `prorsa controller` and `prorsa local` learn from. The operator sizes
+    expert-parallel engines per role (`kube.handlers.worker_capacity`)."""
+    name, rel_sd = prior_name(capacity_model)
+    return preset(name).role_capacity(), rel_sd
 
 
 # Stage-specific parallelism of the expert-parallel presets: GPUs per prefill, decode and
