@@ -86,3 +86,19 @@ def test_the_expert_parallel_example_runs_stage_specific_engines() -> None:
     assert (prefill.gpus, prefill.data, prefill.expert) == (32, 32, True)
     assert (decode.gpus, decode.data, decode.expert) == (64, 64, True)
     assert w.slot_gpus * w.replicas == 128 and w.staged
+
+
+def test_the_multi_node_example_is_one_engine_per_worker_that_the_operator_runs() -> None:
+    """Every role's engine spans the worker's four nodes (what this operator version routes),
+    with stage-specific arguments; the layout example with two prefill engines per worker
+    is the one it refuses."""
+    from prorsa.kube.handlers import _unsupported
+    from prorsa.policy.allocate import Role
+
+    spec = parse_spec(cluster("deepseek-v3-multinode.yaml")["spec"])
+    w = spec.workers
+    assert w.multi_node and w.slot_gpus // w.gpusPerNode == 4 and w.staged
+    for role in (Role.PREFILL, Role.DECODE):
+        assert (w.layout(role).gpus, w.layout(role).data, w.layout(role).nodes) == (32, 32, 4)
+    assert _unsupported(spec) is None
+    assert _unsupported(parse_spec(cluster("deepseek-v3-ep.yaml")["spec"])) is not None

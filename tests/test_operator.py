@@ -6,17 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kopf
+import kubernetes_validate
+import yaml
 from kmock import KubernetesEmulator, Server
 
 from prorsa.api.models import GROUP, KIND, PLURAL, SINGULAR, VERSION
 from prorsa.kube import handlers, rbac
 from prorsa.kube import labels as L
 from prorsa.kube.api import USER_AGENT, KubeApi
+from prorsa.policy.allocate import Role
 
 NS = "team"
 _server: dict[str, str] = {}
@@ -54,6 +61,12 @@ def _register_crd(k8s: KubernetesEmulator) -> None:
         k8s.resources[key] = {"namespaced": True, "kind": kind, "singular": kind.lower(),
                               "shortnames": [], "categories": [], "subresources": [],
                               "verbs": verbs}  # fmt: skip
+    lws = yaml.safe_load(LWS_CRD.read_text())["spec"]  # multi-node workers
+    k8s.resources[f"{lws['group']}/{lws['versions'][0]['name']}/{lws['names']['plural']}"] = {
+        "namespaced": True, "kind": lws["names"]["kind"], "singular": lws["names"]["singular"],
+        "shortnames": lws["names"]["shortNames"], "categories": [],
+        "subresources": sorted(lws["versions"][0]["subresources"]), "verbs": verbs,
+    }  # fmt: skip
     k8s.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = {
         "namespaced": True, "kind": KIND, "singular": SINGULAR, "shortnames": ["rcl"],
         "categories": ["prorsa"], "subresources": ["status", "scale"],
@@ -309,11 +322,11 @@ def test_scale_down_picks_unready_then_newest_and_never_a_draining_worker() -> N
     from prorsa.kube.handlers import _scale_down_victims
 
     live = [_pod(0, True), _pod(1, True, draining=True), _pod(2, True), _pod(3, False)]
-    names = [p["metadata"]["name"] for p in _scale_down_victims(live, 2)]
+    names = [p["metadata"]["name"] for p in _scale_down_victims(live, 2, live)]
     assert names == ["rl-worker-3", "rl-worker-2"]
-    assert _scale_down_victims(live, 4) == []
+    assert _scale_down_victims(live, 4, live) == []
     # the draining one is kept even when that leaves more than asked (next reconcile retries)
-    assert [p["metadata"]["name"] for p in _scale_down_victims(live, 0)] == [
+    assert [p["metadata"]["name"] for p in _scale_down_victims(live, 0, live)] == [
         "rl-worker-3", "rl-worker-2", "rl-worker-0"]  # fmt: skip
 
 
@@ -367,12 +380,11 @@ def test_an_invalid_edit_of_a_running_cluster_changes_nothing(redis_url: str) ->
     asyncio.run(main())
 
 
-def test_roles_with_their_own_engines_get_them_and_multi_node_engines_are_refused(
+def test_roles_with_their_own_engines_get_them(
     redis_url: str,
 ) -> None:
     """Stage-specific parallelism through the operator: each pod carries every role's vLLM
-    arguments and the worker's GPUs, the status each role's engine size; engines wider than a
-    node (LeaderWorkerSet) are refused with a condition, not half-built."""
+    arguments and the worker's GPUs, the status each role's engine size."""
 
     async def main() -> None:
         async with kmock_api() as api:
@@ -383,10 +395,6 @@ def test_roles_with_their_own_engines_get_them_and_multi_node_engines_are_refuse
                             "decode": {"engineArgs": ["--max-num-seqs", "512"]}},
                 "kvTransfer": {"switchMode": "restart"},
                 "allocation": {"policy": "static", "staticPrefill": 1},
-            }))  # fmt: skip
-            await api.create(rcl("wide", {
-                "model": {"name": "m"}, "redis": {"url": redis_url},
-                "workers": {"replicas": 2, "gpusPerWorker": 16, "dataParallelSize": 16},
             }))  # fmt: skip
             async with running_operator():
                 await until(lambda: has_workers(api, "staged", 2), 20, "two workers")
@@ -406,14 +414,178 @@ def test_roles_with_their_own_engines_get_them_and_multi_node_engines_are_refuse
 
                 await until(sized, 20, "each role's engine size in the status")
 
-                async def refused() -> bool:
+    asyncio.run(main())
+
+
+LWS_CRD = Path(__file__).parent / "data" / "leaderworkerset-crd.yaml"
+LWS = "leaderworkerset.x-k8s.io/v1"
+
+
+def _lws_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(LWS_CRD.read_text())
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def assert_valid_group(group: dict[str, Any]) -> None:
+    """What the API server would check of a LeaderWorkerSet: its CRD's schema (the upstream
+    one, `tests/data`), and each pod template as a Pod of the Kubernetes schema."""
+    from test_api import _openapi_to_jsonschema
+
+    jsonschema.validate(group, _openapi_to_jsonschema(_lws_schema()))
+    t = group["spec"]["leaderWorkerTemplate"]
+    for which in ("leaderTemplate", "workerTemplate"):
+        meta = {"name": "p", **t[which]["metadata"]}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": t[which]["spec"]}
+        kubernetes_validate.validate(pod, "1.37.0", strict=True)
+
+
+async def groups(api: KubeApi, cluster: str) -> list[dict[str, Any]]:
+    return await api.list(LWS, "LeaderWorkerSet", NS, L.group_selector(cluster))
+
+
+async def lws_controller_creates(api: KubeApi, group: dict[str, Any]) -> dict[str, Any]:
+    """What the LeaderWorkerSet controller does for a group (kmock runs no controllers): its
+    leader pod `<name>-0` from the leader template, with the LWS labels, ready."""
+    name = group["metadata"]["name"]
+    t = group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    meta = copy.deepcopy(t["metadata"])
+    meta.update(name=f"{name}-0", namespace=NS)
+    meta["labels"].update({L.LWS_NAME: name, "leaderworkerset.sigs.k8s.io/worker-index": "0"})
+    await api.create({"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                      "spec": copy.deepcopy(t["spec"])})  # fmt: skip
+    await api.patch("v1", "Pod", NS, meta["name"], {"status": {
+        "podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+    pod = await api.get("v1", "Pod", NS, meta["name"])
+    assert pod is not None
+    return pod
+
+
+def test_workers_wider_than_a_node_are_leader_worker_sets(redis_url: str) -> None:
+    """A worker of 16 GPUs on nodes of 8: a LeaderWorkerSet of two pods, valid against the
+    upstream CRD and the Pod schema, whose first node serves and whose second runs its ranks
+    headless. A switch records the role on the LeaderWorkerSet, a group it recreates gets its
+    role back, scale-down removes a whole group."""
+
+    async def main() -> None:
+        async with kmock_api() as api:
+            await api.create(rcl("wide", {
+                "model": {"name": "m"}, "redis": {"url": redis_url},
+                "workers": {"replicas": 2, "gpusPerWorker": 16, "dataParallelSize": 16,
+                            "expertParallel": True,
+                            "decode": {"engineArgs": ["--max-num-seqs", "256"]}},
+                "kvTransfer": {"switchMode": "restart"},
+                "allocation": {"policy": "static", "staticPrefill": 1},
+            }))  # fmt: skip
+            async with running_operator():
+
+                async def two_groups() -> bool:
+                    return len(await groups(api, "wide")) == 2
+
+                await until(two_groups, 20, "two LeaderWorkerSets")
+                assert await worker_pods(api, "wide") == []  # the LWS controller makes them
+                by_role = {g["metadata"]["labels"][L.ROLE]: g for g in await groups(api, "wide")}
+                assert sorted(by_role) == ["decode", "prefill"]
+                for g in by_role.values():
+                    assert_valid_group(g)
+                    assert g["metadata"]["ownerReferences"][0]["name"] == "wide"
+                    t = g["spec"]["leaderWorkerTemplate"]
+                    assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+                    leader = t["leaderTemplate"]["spec"]["containers"][0]
+                    follower = t["workerTemplate"]["spec"]["containers"][0]
+                    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8"  # one node
+                    assert "--node-rank" not in leader["args"]
+                    assert follower["args"][follower["args"].index("--node-rank") + 1] == \
+                        "$(LWS_WORKER_INDEX)"  # fmt: skip
+                    for c in (leader, follower):
+                        per_role = json.loads(c["args"][c["args"].index("--role-args") + 1])
+                        assert per_role["prefill"] == [
+                            "--data-parallel-size", "16", "--data-parallel-size-local", "8",
+                            "--enable-expert-parallel"]  # fmt: skip
+                        assert per_role["decode"][-2:] == ["--max-num-seqs", "256"]
+                        assert c["args"][c["args"].index("--group-leader") + 1] == \
+                            "$(LWS_LEADER_ADDRESS)"  # fmt: skip
+                    # only the first node is a worker the router and the controller see
+                    assert t["leaderTemplate"]["metadata"]["labels"][L.COMPONENT] == L.WORKER
+                    assert t["workerTemplate"]["metadata"]["labels"][L.COMPONENT] == \
+                        L.WORKER_NODE  # fmt: skip
+
+                pods = {r: await lws_controller_creates(api, g) for r, g in by_role.items()}
+
+                async def ready() -> bool:
                     st = await rcl_status(api, "wide")
+                    return (st.get("ready"), st.get("prefill"), st.get("decode")) == (2, 1, 1)
+
+                await until(ready, 30, "the status from the leader pods")
+
+                # a switch (the controller's adapter): the role goes on the LWS, then the pod
+                from redis.asyncio import Redis
+
+                from prorsa.events.keys import ClusterKeys
+                from prorsa.kube.cluster import KubeCluster
+
+                async with Redis.from_url(redis_url) as r:
+                    cluster = KubeCluster(api, r, ClusterKeys(NS, "wide"))
+                    leader = pods["prefill"]["metadata"]["name"]
+                    await cluster.set_role(leader, Role.DECODE)
+                group = await api.get(LWS, "LeaderWorkerSet", NS,
+                                      by_role["prefill"]["metadata"]["name"])  # fmt: skip
+                assert group is not None and group["metadata"]["labels"][L.ROLE] == "decode"
+                assert (
+                    group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"][
+                        L.ROLE
+                    ]
+                    == "prefill"
+                )  # the template is untouched: no rollout
+
+                # the LWS recreates the group (a node lost): its leader starts as "prefill"
+                await api.delete("v1", "Pod", NS, leader)
+                fresh = await lws_controller_creates(api, group)
+                assert fresh["metadata"]["labels"][L.ROLE] == "prefill"
+
+                async def relabelled() -> bool:
+                    pod = await api.get("v1", "Pod", NS, leader)
+                    return bool(pod and pod["metadata"]["labels"][L.ROLE] == "decode")
+
+                await until(relabelled, 30, "the recreated leader relabelled to its role")
+                assert len(await groups(api, "wide")) == 2  # nothing replaced: the LWS does
+
+                async def count(n: int) -> bool:
+                    return len(await groups(api, "wide")) == n
+
+                for n in (3, 2):
+                    await api.patch(f"{GROUP}/{VERSION}", KIND, NS, "wide",
+                                    {"spec": {"workers": {"replicas": n}}})  # fmt: skip
+                    await until(functools.partial(count, n), 30, f"scaled to {n} groups")
+                kept = sorted(g["metadata"]["name"] for g in await groups(api, "wide"))
+                assert kept == ["wide-worker-0", "wide-worker-1"]  # the new, podless one went
+
+    asyncio.run(main())
+
+
+def test_several_engines_in_a_multi_node_worker_are_refused(redis_url: str) -> None:
+    """Prefill engines of 8 GPUs in a 16-GPU worker spanning two nodes would each need an
+    endpoint: refused with a condition naming the field, nothing created."""
+
+    async def main() -> None:
+        async with kmock_api() as api:
+            await api.create(rcl("split", {
+                "model": {"name": "m"}, "redis": {"url": redis_url},
+                "workers": {"replicas": 2, "gpusPerWorker": 16, "dataParallelSize": 16,
+                            "prefill": {"gpusPerWorker": 8}},
+                "kvTransfer": {"switchMode": "restart"},
+            }))  # fmt: skip
+            async with running_operator():
+
+                async def refused() -> bool:
+                    st = await rcl_status(api, "split")
                     return any(c["type"] == "Degraded" and c["reason"] == "Unsupported"
-                               and "LeaderWorkerSet" in c["message"]
+                               and "workers.prefill.gpusPerWorker" in c["message"]
                                for c in st.get("conditions") or [])  # fmt: skip
 
-                await until(refused, 20, "the multi-node refusal")
-                assert await worker_pods(api, "wide") == []
+                await until(refused, 20, "the Unsupported condition")
+                assert await groups(api, "split") == []
+                assert await worker_pods(api, "split") == []
 
     asyncio.run(main())
 
@@ -685,10 +857,10 @@ def test_workers_the_scheduler_cannot_place_make_the_cluster_degraded() -> None:
                  "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                  "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
              }]}}  # fmt: skip
-    st = _status("c", NS, spec, 3, [placed, stuck])
+    st = _status("c", NS, spec, 3, [placed, stuck], [placed, stuck])
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
     assert "c-worker-1" in degraded["message"] and "nvidia.com/gpu" in degraded["message"]
     assert st["ready"] == 1 and st["prefill"] == 1 and st["decode"] == 1
-    healthy = _status("c", NS, spec, 3, [placed])
+    healthy = _status("c", NS, spec, 3, [placed], [placed])
     assert next(c for c in healthy["conditions"] if c["type"] == "Degraded")["status"] == "False"

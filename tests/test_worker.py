@@ -181,3 +181,64 @@ def test_local_ports_stay_out_of_the_kernels_ephemeral_range(
         held.listen()
         monkeypatch.setattr(processes, "_OUR_PORTS", (taken, taken + 2))
         assert {free_port() for _ in range(20)} == {taken + 1}
+
+
+def test_an_engine_spanning_nodes_meets_at_its_first_node() -> None:
+    """Each node of a multi-node engine (a LeaderWorkerSet group) runs the same role
+    arguments; the first serves the API at the group's address, the others run their
+    data-parallel ranks headless from their own start rank (vLLM's multi-node DP)."""
+    from prorsa.worker.engine import EngineLayout, restart_needed
+
+    prefill = EngineLayout(gpus=16, data=16, expert=True, nodes=2).vllm_args()
+    decode = [*EngineLayout(gpus=16, tensor=8, data=2, nodes=2).vllm_args(),
+              "--max-num-seqs", "256"]  # fmt: skip
+    assert prefill == ["--data-parallel-size", "16", "--data-parallel-size-local", "8",
+                       "--enable-expert-parallel"]  # fmt: skip
+    roles = {Role.PREFILL: tuple(prefill), Role.DECODE: tuple(decode)}
+
+    def node(rank: int) -> EngineSpec:
+        return EngineSpec("m", role_args=roles, node_rank=rank, group_leader="g-0.g.team",
+                          switch_mode=SwitchMode.RESTART)  # fmt: skip
+
+    first, _ = command(node(0), Role.PREFILL)
+    assert first[first.index("--data-parallel-address") + 1] == "g-0.g.team"
+    assert "--headless" not in first and "--data-parallel-start-rank" not in first
+    second, _ = command(node(1), Role.PREFILL)
+    assert "--headless" in second
+    assert second[second.index("--data-parallel-start-rank") + 1] == "8"
+    third, _ = command(node(1), Role.DECODE)  # TP8 x DP2: one rank per node
+    assert third[third.index("--data-parallel-start-rank") + 1] == "1"
+    assert restart_needed(node(1), Role.PREFILL, Role.DECODE)  # every node restarts
+    with pytest.raises(ValueError, match="does not span nodes"):
+        command(node(1), Role.MIXED)  # a role without multi-node ranks: nothing to run here
+    with pytest.raises(ValueError, match="group leader"):
+        EngineSpec("m", node_rank=1)
+
+
+def test_the_other_nodes_follow_the_first_nodes_agent() -> None:
+    """A follower reads the role from the first node's agent (its real probe server), keeps
+    the last one while that agent is away."""
+    import socket
+
+    from prorsa.worker.agent import Agent, AgentConfig
+    from prorsa.worker.roles import FixedRoleSource, LeaderRoleSource
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> list[Role | None]:
+        cfg = AgentConfig("w-0", EngineSpec("m"), Role.PREFILL, "http://127.0.0.1:1",
+                          probe_port=port)  # fmt: skip
+        agent = Agent(cfg, FixedRoleSource(Role.PREFILL))
+        follower = LeaderRoleSource(f"http://127.0.0.1:{port}")
+        runner = await agent._serve_probes()
+        assert runner is not None
+        seen = [await follower.current()]
+        agent.role = Role.DECODE  # relabelled
+        seen.append(await follower.current())
+        await runner.cleanup()
+        seen.append(await follower.current())  # the first node's agent is gone
+        return seen
+
+    assert asyncio.run(main()) == [Role.PREFILL, Role.DECODE, None]

@@ -309,6 +309,17 @@ def worker(
             "whose arguments differ restarts the engine"
         ),
     ] = "",
+    node_rank: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="an engine spanning nodes: this pod's node in it (0: the first, which serves "
+            "the API; the others run their ranks headless and follow the first's role)",
+        ),
+    ] = 0,
+    group_leader: Annotated[
+        str, typer.Option(help="an engine spanning nodes: the first node's address")
+    ] = "",
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
     """Run one vLLM worker in its role (extra arguments after -- go to vLLM)."""
@@ -324,7 +335,13 @@ def worker(
         model_exists,
         parse_role_args,
     )
-    from prorsa.worker.roles import FileRoleSource, FixedRoleSource, RegistryRoleSource, RoleSource
+    from prorsa.worker.roles import (
+        FileRoleSource,
+        FixedRoleSource,
+        LeaderRoleSource,
+        RegistryRoleSource,
+        RoleSource,
+    )
 
     _logging(log_level)
     try:
@@ -343,9 +360,14 @@ def worker(
             kv_cache_gib=kv_cache_gib or None,
             extra_args=tuple(ctx.args),
             role_args=parse_role_args(role_args) if role_args else {},
+            node_rank=node_rank,
+            group_leader=group_leader or None,
         )
     except ValueError as e:
         raise _fail(str(e)) from None
+    if node_rank > 0 and not probe_port:
+        raise _fail("--node-rank above 0 follows the first node's agent: give --probe-port "
+                    "(the port of every node's agent)")  # fmt: skip
     if not model_exists(model):
         raise _fail(f"model path {model} does not exist")
     if bool(redis_url) != bool(cluster):
@@ -368,6 +390,8 @@ def worker(
             roles = RegistryRoleSource(registry, worker_name)
         if role_file is not None:
             roles = FileRoleSource(role_file)
+        if node_rank > 0:  # the engine's first node holds the role (a relabel reaches it)
+            roles = LeaderRoleSource(f"http://{group_leader}:{probe_port}")
         cfg = AgentConfig(
             name=worker_name,
             spec=spec,

@@ -210,12 +210,19 @@ class Workers(Parallelism):
                              "its data-parallel ranks split evenly over them")  # fmt: skip
         own = self.override(role)
         args = (*self.engineArgs, *(own.engineArgs if own is not None else ()))
-        return EngineLayout(gpus, tp, pp, dp, bool(self._pick(role, "expertParallel")), args)
+        nodes = gpus // self.gpusPerNode if gpus > self.gpusPerNode else 1
+        return EngineLayout(gpus, tp, pp, dp, bool(self._pick(role, "expertParallel")), args,
+                            nodes)  # fmt: skip
 
     @property
     def slot_gpus(self) -> int:
         """GPUs of one worker: the larger role's engine (the smaller runs several in it)."""
         return max(self.layout(Role.PREFILL).gpus, self.layout(Role.DECODE).gpus)
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether a worker spans nodes (a LeaderWorkerSet group instead of one pod)."""
+        return self.slot_gpus > self.gpusPerNode
 
     @property
     def staged(self) -> bool:

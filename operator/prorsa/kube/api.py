@@ -31,6 +31,7 @@ PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "RolloutCluster": "rolloutclusters",
+    "LeaderWorkerSet": "leaderworkersets",  # multi-node workers
     "Event": "events",  # posted by kopf (kopf.info / kopf.warn); read back by tests
     "ClusterKopfPeering": "clusterkopfpeerings",  # kopf peering (tests set up peers)
 }

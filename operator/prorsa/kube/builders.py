@@ -23,6 +23,7 @@ PROBE_PORT = 8081
 SIDE_CHANNEL_PORT = 5600
 LABELS_DIR = "/etc/prorsa"
 REDIS_IMAGE = "redis:7.4.2-alpine"
+LWS_API = "leaderworkerset.x-k8s.io/v1"  # Kubernetes SIG Apps' multi-node workload
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
@@ -56,16 +57,14 @@ def redis_password_env(cluster: str, spec: RolloutClusterSpec) -> list[dict[str,
              "valueFrom": {"secretKeyRef": {"name": ref_name, "key": key}}}]  # fmt: skip
 
 
-def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
-               index: int, role: Role) -> dict[str, Any]:  # fmt: skip
+def _worker_container(spec: RolloutClusterSpec, name: str, role: Role,
+                      group: list[str]) -> dict[str, Any]:  # fmt: skip
+    """The `prorsa worker` container: its role, every role's vLLM arguments (a relabel
+    switches it in place, and the agent restarts the engine where the new role's arguments
+    differ), and the pod's GPUs."""
     w = spec.workers
-    name = f"{cluster}-worker-{index}"
-    meta = _meta(name, namespace, owner, L.WORKER, cluster, **{L.ROLE: role.value})
-    meta["annotations"] = {L.PORT: str(w.port)}
     limits = {**w.resources.limits}
-    limits.setdefault("nvidia.com/gpu", str(w.slot_gpus))
-    # Every role's vLLM arguments travel with the pod: a relabel switches it in place, and the
-    # agent restarts the engine where the new role's arguments differ.
+    limits.setdefault("nvidia.com/gpu", str(min(w.slot_gpus, w.gpusPerNode)))
     role_args = {r.value: w.layout(r).vllm_args() for r in Role}
     args = [  # the worker image's entrypoint is `prorsa worker`
         "--model", spec.model.name, "--name", name, "--port", str(w.port),
@@ -74,28 +73,35 @@ def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: Rollou
         "--side-channel-host", "$(POD_IP)", "--side-channel-port", str(SIDE_CHANNEL_PORT),
         "--probe-port", str(PROBE_PORT),
         "--drain-timeout", f"{spec.allocation.drainTimeoutSeconds:g}",
-        "--role-args", json.dumps(role_args, separators=(",", ":")),
+        "--role-args", json.dumps(role_args, separators=(",", ":")), *group,
     ]  # fmt: skip
     if spec.model.servedName:
         args += ["--served-model-name", spec.model.servedName]
+    return {
+        "name": "worker",
+        "image": w.image,
+        "args": args,
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "POD_NAME",
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [
+            {"name": "http", "containerPort": w.port},
+            {"name": "nixl", "containerPort": SIDE_CHANNEL_PORT},
+            {"name": "probe", "containerPort": PROBE_PORT},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "probe"},
+                           "periodSeconds": 2, "failureThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "probe"},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": dict(w.resources.requests), "limits": limits},
+        "volumeMounts": [{"name": "podinfo", "mountPath": LABELS_DIR, "readOnly": True}],
+    }  # fmt: skip
+
+
+def _worker_pod_spec(spec: RolloutClusterSpec, container: dict[str, Any]) -> dict[str, Any]:
+    w = spec.workers
     pod_spec: dict[str, Any] = {
-        "containers": [{
-            "name": "worker",
-            "image": w.image,
-            "args": args,
-            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-            "ports": [
-                {"name": "http", "containerPort": w.port},
-                {"name": "nixl", "containerPort": SIDE_CHANNEL_PORT},
-                {"name": "probe", "containerPort": PROBE_PORT},
-            ],
-            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "probe"},
-                               "periodSeconds": 2, "failureThreshold": 1},
-            "livenessProbe": {"httpGet": {"path": "/healthz", "port": "probe"},
-                              "periodSeconds": 10, "failureThreshold": 6},
-            "resources": {"requests": dict(w.resources.requests), "limits": limits},
-            "volumeMounts": [{"name": "podinfo", "mountPath": LABELS_DIR, "readOnly": True}],
-        }],
+        "containers": [container],
         "volumes": [{"name": "podinfo", "downwardAPI": {
             "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}],
         "terminationGracePeriodSeconds": int(spec.allocation.drainTimeoutSeconds) + 30,
@@ -104,7 +110,70 @@ def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: Rollou
     }  # fmt: skip
     if w.affinity is not None:
         pod_spec["affinity"] = w.affinity.model_dump()
+    return pod_spec
+
+
+def _worker_labels(cluster: str, index: int, role: Role) -> dict[str, str]:
+    return {L.CLUSTER: cluster, L.COMPONENT: L.WORKER, L.ROLE: role.value,
+            L.WORKER_INDEX: str(index)}  # fmt: skip
+
+
+def worker_pod(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
+               index: int, role: Role) -> dict[str, Any]:  # fmt: skip
+    """A worker whose engines fit one node: one pod, owned by the RolloutCluster."""
+    name = f"{cluster}-worker-{index}"
+    meta = _meta(name, namespace, owner, L.WORKER, cluster)
+    meta["labels"] = _worker_labels(cluster, index, role)
+    meta["annotations"] = {L.PORT: str(spec.workers.port)}
+    pod_spec = _worker_pod_spec(spec, _worker_container(spec, name, role, []))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def worker_group(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
+                 index: int, role: Role) -> dict[str, Any]:  # fmt: skip
+    """A worker whose engines span nodes: a LeaderWorkerSet of one group, one pod per node.
+
+    The leader pod (`<name>-0`) is the worker the router, the controller and the role label
+    know; the other nodes run their data-parallel ranks headless and follow its role. The
+    role is also recorded on the LeaderWorkerSet (`prorsa.io/role`, never in its template, so a
+    switch rolls nothing out): a group the LeaderWorkerSet recreates starts with its template's
+    role, and the operator relabels its leader to the recorded one.
+    """
+    w = spec.workers
+    name = f"{cluster}-worker-{index}"
+    nodes = w.slot_gpus // w.gpusPerNode
+    group = ["--group-leader", "$(LWS_LEADER_ADDRESS)"]
+    leader = _worker_container(spec, "$(POD_NAME)", role, group)
+    follower = _worker_container(spec, "$(POD_NAME)", role, [*group, "--node-rank",
+                                                              "$(LWS_WORKER_INDEX)"])  # fmt: skip
+    follower["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": "probe"},
+                                  "periodSeconds": 5}  # fmt: skip
+    meta = _meta(name, namespace, owner, L.WORKER_GROUP, cluster, **{L.ROLE: role.value})
+    meta["labels"][L.WORKER_INDEX] = str(index)
+    template = {
+        "size": nodes,
+        "restartPolicy": "RecreateGroupOnPodRestart",  # a lost node loses the engine
+        "leaderTemplate": {
+            "metadata": {"labels": _worker_labels(cluster, index, role),
+                         "annotations": {L.PORT: str(w.port)}},
+            "spec": _worker_pod_spec(spec, leader),
+        },
+        "workerTemplate": {
+            "metadata": {"labels": {L.CLUSTER: cluster, L.COMPONENT: L.WORKER_NODE,
+                                    L.WORKER_INDEX: str(index)}},
+            "spec": _worker_pod_spec(spec, follower),
+        },
+    }  # fmt: skip
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta,
+            "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
+                     "leaderWorkerTemplate": template}}  # fmt: skip
+
+
+def worker_unit(cluster: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
+                index: int, role: Role) -> dict[str, Any]:  # fmt: skip
+    """The object one worker is made of: a pod, or a LeaderWorkerSet where it spans nodes."""
+    build = worker_group if spec.workers.multi_node else worker_pod
+    return build(cluster, namespace, owner, spec, index, role)
 
 
 def router_deployment(cluster: str, namespace: str, owner: dict[str, Any],
@@ -272,7 +341,7 @@ def children(cluster: str, namespace: str, uid: str, spec: RolloutClusterSpec,
     ]
     objs += [role_service(cluster, namespace, owner, r, spec) for r in (Role.PREFILL, Role.DECODE)]
     objs.append(router_deployment(cluster, namespace, owner, spec, router_image))
-    objs += [worker_pod(cluster, namespace, owner, spec, i, r) for i, r in enumerate(roles)]
+    objs += [worker_unit(cluster, namespace, owner, spec, i, r) for i, r in enumerate(roles)]
     trainer = trainer_pod(cluster, namespace, owner, spec)
     if trainer is not None:
         objs.append(trainer)

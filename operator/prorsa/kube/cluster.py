@@ -19,6 +19,7 @@ from prorsa.events.inflight import Inflight
 from prorsa.events.keys import ClusterKeys
 from prorsa.kube import labels as L
 from prorsa.kube.api import ApiError, Conflict, KubeApi
+from prorsa.kube.builders import LWS_API
 from prorsa.kube.discovery import pod_endpoint
 from prorsa.policy.allocate import Role
 from prorsa.worker.agent import engine_metrics_text, engine_requests
@@ -72,12 +73,30 @@ class KubeCluster:
         await self._patch(name, {"metadata": {"annotations": {
             L.DRAINING: "true", L.TARGET_ROLE: target.value}}})  # fmt: skip
 
+    async def _record_group_role(self, name: str, role: Role | None) -> None:
+        """A multi-node worker's role is also kept on its LeaderWorkerSet (`role` None: the
+        pod's current one), so a group it recreates is relabelled to it; recorded before the
+        pod is relabelled."""
+        pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
+        labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
+        group = labels.get(L.LWS_NAME)
+        value = role.value if role is not None else labels.get(L.ROLE)
+        if not group or not value:
+            return
+        try:
+            await self.api.patch(LWS_API, "LeaderWorkerSet", self.keys.namespace, group,
+                                 {"metadata": {"labels": {L.ROLE: value}}})  # fmt: skip
+        except (ApiError, OSError) as e:
+            raise ClusterUnavailable(f"Kubernetes API: {e}") from e
+
     async def set_role(self, name: str, role: Role) -> None:
+        await self._record_group_role(name, role)
         await self._patch(name, {"metadata": {
             "labels": {L.ROLE: role.value},
             "annotations": {L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
 
     async def cancel_drain(self, name: str) -> None:
+        await self._record_group_role(name, None)  # a switch rolled back keeps the old role
         await self._patch(name, {"metadata": {"annotations": {
             L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
 

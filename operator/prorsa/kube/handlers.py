@@ -189,9 +189,12 @@ def wanted_roles(spec: RolloutClusterSpec, existing: list[Role], n: int) -> list
     return out
 
 
-def _index(pod: dict[str, Any]) -> int:
+def _index(unit: dict[str, Any]) -> int:
+    """A worker's index: its label, or (pods of earlier versions) its name's suffix."""
+    meta = unit.get("metadata") or {}
+    label = (meta.get("labels") or {}).get(L.WORKER_INDEX)
     try:
-        return int(pod["metadata"]["name"].rsplit("-", 1)[1])
+        return int(label if label is not None else meta["name"].rsplit("-", 1)[1])
     except (KeyError, ValueError, IndexError):
         return -1
 
@@ -215,10 +218,7 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
                              for err in e.errors())  # fmt: skip
         await _refuse(patch, body, generation, "InvalidSpec", problems)
         return
-    if spec.workers.slot_gpus > spec.workers.gpusPerNode:
-        message = (f"workers: engines of {spec.workers.slot_gpus} GPUs span nodes of "
-                   f"workers.gpusPerNode ({spec.workers.gpusPerNode}); multi-node engines "
-                   "(LeaderWorkerSet) are not supported by this operator version yet")  # fmt: skip
+    if (message := _unsupported(spec)) is not None:
         await _refuse(patch, body, generation, "Unsupported", message)
         return
     k = api()
@@ -234,40 +234,74 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
         for obj in b.managed_redis(name, namespace, owner):
             await k.create(obj)
 
+    units = await _units(name, namespace, spec)
     pods = await k.list("v1", "Pod", namespace, L.worker_selector(name))
-    live = _live(pods)
+    live = _live(units)
     n = spec.workers.replicas
-    new_workers = _missing_workers(name, namespace, owner, spec, pods)
-    new_roles = [p["metadata"]["labels"][L.ROLE] for p in new_workers]
+    new_workers = _missing_workers(name, namespace, owner, spec, units)
+    new_roles = [u["metadata"]["labels"][L.ROLE] for u in new_workers]
     objs = b.children(name, namespace, uid, spec, [], router_image())  # all but the workers
     objs += new_workers
     created = 0
     for obj in objs:
         created += await k.create(obj)
-    for pod in _scale_down_victims(live, n):
-        await k.delete("v1", "Pod", namespace, pod["metadata"]["name"])
-        kopf.info(body, reason="ScaledDown", message=f"removed worker {pod['metadata']['name']}")
+    api_version, kind = _unit_kind(spec)
+    for unit in _scale_down_victims(live, n, pods):
+        await k.delete(api_version, kind, namespace, unit["metadata"]["name"])
+        kopf.info(body, reason="ScaledDown", message=f"removed worker {unit['metadata']['name']}")
     if new_roles:
         kopf.info(body, reason="ScaledUp",
                   message=f"added {len(new_roles)} worker(s): " +
                   ", ".join(new_roles))  # fmt: skip
-    patch.status.update(_status(name, namespace, spec, generation, live[:n], new_roles, created))
+    status = _status(name, namespace, spec, generation, live[:n], pods, new_roles, created)
+    patch.status.update(status)
 
 
-def _live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Worker pods not being deleted, oldest index first."""
-    return sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")), key=_index)
+def _unsupported(spec: RolloutClusterSpec) -> str | None:
+    """What this operator cannot run although the spec is valid: a worker spanning nodes
+    whose role runs several engines in it (each would need an endpoint of its own)."""
+    w = spec.workers
+    if not w.multi_node:
+        return None
+    for role in (Role.PREFILL, Role.DECODE):
+        g = w.layout(role).gpus
+        if g < w.slot_gpus:
+            return (
+                f"workers.{role.value}.gpusPerWorker ({g}) is smaller than a worker of "
+                f"{w.slot_gpus} GPUs spanning nodes: several engines per multi-node worker "
+                "are not routed by this operator version; give both roles engines of "
+                f"{w.slot_gpus} GPUs (their parallel sizes and arguments may differ)"
+            )
+    return None
+
+
+async def _units(name: str, namespace: str, spec: RolloutClusterSpec) -> list[dict[str, Any]]:
+    """What the cluster's workers are made of: pods, or LeaderWorkerSets where they span
+    nodes."""
+    selector = L.group_selector if spec.workers.multi_node else L.worker_selector
+    return await api().list(*_unit_kind(spec), namespace, selector(name))
+
+
+def _unit_kind(spec: RolloutClusterSpec) -> tuple[str, str]:
+    """(apiVersion, kind) of the objects `_units` lists."""
+    return (b.LWS_API, "LeaderWorkerSet") if spec.workers.multi_node else ("v1", "Pod")
+
+
+def _live(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Workers (pods or LeaderWorkerSets) not being deleted, oldest index first."""
+    return sorted((u for u in units if not u["metadata"].get("deletionTimestamp")), key=_index)
 
 
 def _missing_workers(name: str, namespace: str, owner: dict[str, Any], spec: RolloutClusterSpec,
-                     pods: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
-    """Worker pods to create so the live ones reach `spec.workers.replicas`, in the roles the
-    policy wants; indexes of pods still terminating are not reused (their names are taken)."""
-    live, n = _live(pods), spec.workers.replicas
-    roles = [Role(p["metadata"]["labels"].get(L.ROLE, "mixed")) for p in live[:n]]
-    used = {_index(p) for p in pods}
+                     units: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    """Workers to create so the live ones reach `spec.workers.replicas`, in the roles the
+    policy wants; indexes of workers still terminating are not reused (their names are
+    taken)."""
+    live, n = _live(units), spec.workers.replicas
+    roles = [Role(u["metadata"]["labels"].get(L.ROLE, "mixed")) for u in live[:n]]
+    used = {_index(u) for u in units}
     free = (i for i in range(10**6) if i not in used)
-    return [b.worker_pod(name, namespace, owner, spec, next(free), r)
+    return [b.worker_unit(name, namespace, owner, spec, next(free), r)
             for r in wanted_roles(spec, roles, n)]  # fmt: skip
 
 
@@ -287,20 +321,42 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str |
         spec = parse_spec(dict(owner.get("spec") or {}))
     except ValidationError:
         return  # reconcile has said why
-    pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
+    if _unsupported(spec) is not None:
+        return  # reconcile has said why
+    units = await _units(cluster, namespace, spec)
     if type == "DELETED":
+        # A LeaderWorkerSet recreates its own pods: only a worker itself gone is replaced.
         ref = b.owner_reference(cluster, owner["metadata"].get("uid", ""))
-        replaced = [p for p in _missing_workers(cluster, namespace, ref, spec, pods)
-                    if await k.create(p)]  # fmt: skip
+        replaced = [u for u in _missing_workers(cluster, namespace, ref, spec, units)
+                    if await k.create(u)]  # fmt: skip
         if replaced:
-            pods = [*pods, *replaced]
-            names = ", ".join(p["metadata"]["name"] for p in replaced)
+            units = [*units, *replaced]
+            names = ", ".join(u["metadata"]["name"] for u in replaced)
             gone = body["metadata"]["name"]
             await post_event(owner, "Replaced", f"worker {gone} is gone; created {names}")
-    live = _live(pods)
+    elif spec.workers.multi_node:
+        await _restore_group_role(body, units)
+    pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
     generation = int(owner.get("metadata", {}).get("generation") or 0)
-    status = _status(cluster, namespace, spec, generation, live)
+    status = _status(cluster, namespace, spec, generation, _live(units), pods)
     await k.patch_status(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster, status)
+
+
+async def _restore_group_role(pod: Mapping[str, Any], groups: list[dict[str, Any]]) -> None:
+    """A LeaderWorkerSet that recreated its group gave the new leader its template's role:
+    relabel it to the role recorded on the LeaderWorkerSet (a switch records it there before
+    relabelling the pod, and a draining pod is the switch protocol's to finish)."""
+    meta = pod.get("metadata") or {}
+    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    group = next((g for g in groups if g["metadata"]["name"] == labels.get(L.LWS_NAME)), None)
+    if group is None or ann.get(L.DRAINING) == "true" or meta.get("deletionTimestamp"):
+        return
+    recorded = (group["metadata"].get("labels") or {}).get(L.ROLE)
+    if recorded and recorded != labels.get(L.ROLE):
+        with contextlib.suppress(ApiError, OSError):
+            await api().patch("v1", "Pod", meta.get("namespace"), meta["name"],
+                              {"metadata": {"labels": {L.ROLE: recorded}}},
+                              meta.get("resourceVersion"))  # fmt: skip
 
 
 def _unschedulable(pod: dict[str, Any]) -> str | None:
@@ -312,13 +368,16 @@ def _unschedulable(pod: dict[str, Any]) -> str | None:
 
 
 def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int,
-            workers: list[dict[str, Any]], new_roles: list[str] | None = None,
-            created: int = 0) -> dict[str, Any]:  # fmt: skip
-    """The status `kubectl get rcl` shows, from the worker pods (and those just created)."""
+            workers: list[dict[str, Any]], pods: list[dict[str, Any]],
+            new_roles: list[str] | None = None, created: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The status `kubectl get rcl` shows, from the workers (and those just created) and
+    their pods (a multi-node worker's: its first node's)."""
     n = spec.workers.replicas
-    roles = [p["metadata"]["labels"].get(L.ROLE, "") for p in workers] + (new_roles or [])
-    ready = sum(_ready(p) for p in workers)
-    pending = [(p["metadata"]["name"], why) for p in workers
+    mine = {_index(w) for w in workers}
+    pods = [p for p in _live(pods) if _index(p) in mine]
+    roles = [w["metadata"]["labels"].get(L.ROLE, "") for w in workers] + (new_roles or [])
+    ready = sum(_ready(p) for p in pods)
+    pending = [(p["metadata"]["name"], why) for p in pods
                if (why := _unschedulable(p)) is not None]  # fmt: skip
     degraded = condition("Degraded", False, "Healthy", "", generation)
     if pending:
@@ -349,16 +408,24 @@ def _status(name: str, namespace: str, spec: RolloutClusterSpec, generation: int
     }  # fmt: skip
 
 
-def _scale_down_victims(live: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+def _scale_down_victims(live: list[dict[str, Any]], n: int, pods: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:  # fmt: skip
     """Excess workers, not-ready ones first, then the highest indexes; never a draining one
-    (a switch is using it) — those wait for the next reconcile."""
+    (a switch is using it) — those wait for the next reconcile. A worker's readiness and
+    drain mark are its pod's (a multi-node worker's: its first node's)."""
     excess = len(live) - n
     if excess <= 0:
         return []
-    candidates = [
-        p for p in live if (p["metadata"].get("annotations") or {}).get(L.DRAINING) != "true"
-    ]
-    candidates.sort(key=lambda p: (_ready(p), -_index(p)))
+    pod_of = {_index(p): p for p in _live(pods)}
+
+    def pod(u: dict[str, Any]) -> dict[str, Any]:
+        return pod_of.get(_index(u), {"metadata": {}})
+
+    def draining(u: dict[str, Any]) -> bool:
+        return (pod(u)["metadata"].get("annotations") or {}).get(L.DRAINING) == "true"
+
+    candidates = [u for u in live if not draining(u)]
+    candidates.sort(key=lambda u: (_ready(pod(u)), -_index(u)))
     return candidates[:excess]
 
 

@@ -6,11 +6,19 @@ ROLE = "prorsa.io/role"
 DRAINING = "prorsa.io/draining"
 TARGET_ROLE = "prorsa.io/target-role"
 PORT = "prorsa.io/port"  # annotation: the worker's vLLM port (default 8000)
+WORKER_INDEX = "prorsa.io/worker-index"  # a worker's index in its cluster (its name's suffix)
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"  # on the pods of a LeaderWorkerSet (its name)
 
-WORKER = "worker"
+WORKER = "worker"  # a worker's pod (a multi-node worker's first node)
+WORKER_GROUP = "worker-group"  # the LeaderWorkerSet of a multi-node worker
+WORKER_NODE = "worker-node"  # a multi-node worker's other nodes
 ROUTER = "router"
 TRAINER = "trainer"
 
 
 def worker_selector(cluster: str) -> str:
     return f"{CLUSTER}={cluster},{COMPONENT}={WORKER}"
+
+
+def group_selector(cluster: str) -> str:
+    return f"{CLUSTER}={cluster},{COMPONENT}={WORKER_GROUP}"

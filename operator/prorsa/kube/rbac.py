@@ -38,6 +38,9 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("", ("services", "serviceaccounts"), ("create",)),
     Rule("", ("secrets",), ("get", "create")),
     Rule("apps", ("deployments",), ("create",)),
+    # multi-node workers: a LeaderWorkerSet each, listed, created, its role recorded (patch)
+    # and removed on scale-down (its controller makes and remakes the pods)
+    Rule("leaderworkerset.x-k8s.io", ("leaderworkersets",), ("list", "create", "patch", "delete")),
     # the router's own Role (ROUTER_RULES: granted only because the operator holds them too)
     Rule("rbac.authorization.k8s.io", ("roles", "rolebindings"), ("create",)),
     # Kubernetes Events on the RolloutCluster (kopf.info/warn and the control loop's switches)

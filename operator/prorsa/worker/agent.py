@@ -117,6 +117,9 @@ class Agent:
         self.stopping = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
+        # A node other than the first of a multi-node engine: ranks without an API (the first
+        # node serves, drains and holds the role; this one follows it)
+        self.headless = config.spec.node_rank > 0
 
     # ---- readiness --------------------------------------------------------------------------
 
@@ -181,6 +184,8 @@ class Agent:
             os.killpg(proc.pid, signal.SIGKILL)
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+        if self.headless:  # no API of its own: its ranks live while the process does
+            return self._proc is not None and self._proc.returncode is None
         try:
             async with session.get(
                 self.cfg.advertise_url + "/health", timeout=aiohttp.ClientTimeout(total=5)
@@ -263,6 +268,8 @@ class Agent:
     async def _drain(self, session: aiohttp.ClientSession) -> None:
         """Stop taking work, then wait for the engine's running and queued requests."""
         await self._publish_ready(False)
+        if self.headless:
+            return  # the first node drains the engine's requests
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while time.monotonic() < deadline:
             if await engine_idle(session, self.cfg.advertise_url):
@@ -328,9 +335,14 @@ class Agent:
             body = {"ready": self.ready, "role": self.role.value}
             return web.json_response(body, status=200 if self.ready else 503)
 
+        async def role(_: web.Request) -> web.Response:
+            """What the other nodes of a multi-node engine follow."""
+            return web.json_response({"role": self.role.value, "ready": self.ready})
+
         app = web.Application()
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
+        app.router.add_get("/role", role)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "0.0.0.0", self.cfg.probe_port).start()

@@ -42,6 +42,9 @@ PARALLEL_FLAGS = (
 )  # fmt: skip
 
 
+LOCAL_RANKS_FLAG = "--data-parallel-size-local"  # an engine's data-parallel ranks per node
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """One role's engine: the GPUs it spans, its parallel sizes, its extra vLLM arguments."""
@@ -52,6 +55,7 @@ class EngineLayout:
     data: int = 1
     expert: bool = False
     args: tuple[str, ...] = ()
+    nodes: int = 1  # nodes the engine spans (its data-parallel ranks split evenly over them)
 
     def vllm_args(self) -> list[str]:
         """The arguments `prorsa worker` passes to vLLM for this role (after the shared)."""
@@ -61,6 +65,8 @@ class EngineLayout:
                         ("--data-parallel-size", self.data)):  # fmt: skip
             if n > 1:
                 out += [flag, str(n)]
+        if self.nodes > 1:
+            out += [LOCAL_RANKS_FLAG, str(self.data // self.nodes)]
         if self.expert:
             out.append("--enable-expert-parallel")
         return out + list(self.args)
@@ -84,13 +90,24 @@ class EngineSpec:
     # Arguments only one role's engine gets, after `extra_args` (vLLM takes the last value of
     # a flag given twice): stage-specific parallelism and batch limits.
     role_args: Mapping[Role, tuple[str, ...]] = field(default_factory=dict)
+    # An engine spanning nodes (one pod each): this pod's node in it, and the address of its
+    # first node, which serves the API and coordinates the data-parallel ranks of the others
+    # (those run headless).
+    node_rank: int = 0
+    group_leader: str | None = None
+    dp_rpc_port: int = 13345
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or a model name")
         if self.cpu_cores is not None:
             parse_cores(self.cpu_cores)
-        for name in ("port", "side_channel_port", "nccl_port"):
+        if self.node_rank < 0:
+            raise ValueError(f"node rank must be >= 0, got {self.node_rank}")
+        if self.node_rank > 0 and not self.group_leader:
+            raise ValueError("a node other than the first of its engine needs the first's "
+                             "address (group leader)")  # fmt: skip
+        for name in ("port", "side_channel_port", "nccl_port", "dp_rpc_port"):
             v = getattr(self, name)
             if not 0 < v < 65536:
                 raise ValueError(f"{name} must be a TCP port (1-65535), got {v}")
@@ -138,6 +155,7 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
     if cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
     argv += [*spec.extra_args, *spec.role_args.get(role, ())]
+    argv += _group_args(spec, role, argv)
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port)}
     if spec.side_channel_host:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
@@ -146,6 +164,36 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
     if spec.kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     return argv, env
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (vLLM takes the last), as `--flag v` or `--flag=v`."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _group_args(spec: EngineSpec, role: Role, argv: list[str]) -> list[str]:
+    """Where the role's engine spans nodes (its arguments give ranks per node): every node
+    meets at the first node's address; the others run their ranks headless, from their own
+    start rank."""
+    local = _flag(argv, LOCAL_RANKS_FLAG)
+    if spec.node_rank > 0 and local is None:
+        raise ValueError(
+            f"the {role.value} engine does not span nodes ({LOCAL_RANKS_FLAG} is not in its "
+            f"arguments): node {spec.node_rank} would have no ranks"
+        )
+    if spec.group_leader is None or local is None:
+        return []
+    out = ["--data-parallel-address", spec.group_leader,
+           "--data-parallel-rpc-port", str(spec.dp_rpc_port)]  # fmt: skip
+    if spec.node_rank > 0:
+        out += ["--headless", "--data-parallel-start-rank", str(spec.node_rank * int(local))]
+    return out
 
 
 def restart_needed(spec: EngineSpec, old: Role, new: Role) -> bool:

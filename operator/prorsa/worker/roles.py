@@ -2,7 +2,8 @@
 
 In Kubernetes the role is the pod label `prorsa.io/role`, seen through a downward-API volume
 (a file of `key="value"` lines the kubelet rewrites in place when the label changes); locally
-it is the `role` field of the worker's registry hash.
+it is the `role` field of the worker's registry hash. The other nodes of an engine that spans
+several (a LeaderWorkerSet group) follow their first node's agent.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+import aiohttp
 from redis.exceptions import RedisError
 
 from prorsa.local.registry import Registry
@@ -70,4 +72,28 @@ class RegistryRoleSource:
         try:
             return await self.registry.role(self.name)
         except (RedisError, OSError):
+            return None
+
+
+class LeaderRoleSource:
+    """The role the agent of the engine's first node holds (its `/role`)."""
+
+    def __init__(self, agent_url: str) -> None:
+        self.url = agent_url.rstrip("/") + "/role"
+        self._warned = False
+
+    async def current(self) -> Role | None:
+        try:
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(self.url, timeout=aiohttp.ClientTimeout(total=3)) as r,
+            ):
+                r.raise_for_status()
+                body = await r.json()
+            self._warned = False
+            return Role(body["role"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
+            if not self._warned:
+                log.warning("cannot read the role from %s: %s", self.url, e)
+                self._warned = True
             return None
