@@ -204,7 +204,8 @@ def test_an_engine_spanning_nodes_meets_at_its_first_node() -> None:
     assert first[first.index("--data-parallel-address") + 1] == "g-0.g.team"
     assert "--headless" not in first and "--data-parallel-start-rank" not in first
     second, _ = command(node(1), Role.PREFILL)
-    assert "--headless" in second
+    assert "--headless" in second and second[2] == "prorsa.worker.headless"  # vLLM's run_headless
+    assert first[2] == "vllm.entrypoints.openai.api_server"
     assert second[second.index("--data-parallel-start-rank") + 1] == "8"
     third, _ = command(node(1), Role.DECODE)  # TP8 x DP2: one rank per node
     assert third[third.index("--data-parallel-start-rank") + 1] == "1"

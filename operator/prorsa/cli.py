@@ -320,6 +320,9 @@ def worker(
     group_leader: Annotated[
         str, typer.Option(help="an engine spanning nodes: the first node's address")
     ] = "",
+    leader_probe_port: Annotated[
+        int, typer.Option(help="--node-rank above 0: the first node's agent port (0: --probe-port)")
+    ] = 0,
     log_level: Annotated[str, typer.Option(help="logging level")] = "info",
 ) -> None:
     """Run one vLLM worker in its role (extra arguments after -- go to vLLM)."""
@@ -365,9 +368,9 @@ def worker(
         )
     except ValueError as e:
         raise _fail(str(e)) from None
-    if node_rank > 0 and not probe_port:
+    if node_rank > 0 and not (leader_probe_port or probe_port):
         raise _fail("--node-rank above 0 follows the first node's agent: give --probe-port "
-                    "(the port of every node's agent)")  # fmt: skip
+                    "(every node's agent port) or --leader-probe-port")  # fmt: skip
     if not model_exists(model):
         raise _fail(f"model path {model} does not exist")
     if bool(redis_url) != bool(cluster):
@@ -391,7 +394,7 @@ def worker(
         if role_file is not None:
             roles = FileRoleSource(role_file)
         if node_rank > 0:  # the engine's first node holds the role (a relabel reaches it)
-            roles = LeaderRoleSource(f"http://{group_leader}:{probe_port}")
+            roles = LeaderRoleSource(f"http://{group_leader}:{leader_probe_port or probe_port}")
         cfg = AgentConfig(
             name=worker_name,
             spec=spec,

@@ -156,6 +156,8 @@ def command(spec: EngineSpec, role: Role) -> tuple[list[str], dict[str, str]]:
         argv += ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
     argv += [*spec.extra_args, *spec.role_args.get(role, ())]
     argv += _group_args(spec, role, argv)
+    if "--headless" in argv:  # vLLM's API server entry point ignores it
+        argv[2] = "prorsa.worker.headless"
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port)}
     if spec.side_channel_host:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
