@@ -13,14 +13,13 @@ from typing import Any
 
 
 def _vllm_parser() -> Any:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+    parser: Any = importlib.import_module("vllm.utils.argparse_utils").FlexibleArgumentParser
     for where in ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"):
         try:
             make_arg_parser = importlib.import_module(where).make_arg_parser
         except (ImportError, AttributeError):
             continue
-        return make_arg_parser(FlexibleArgumentParser(description="vLLM headless ranks"))
+        return make_arg_parser(parser(description="vLLM headless ranks"))
     raise ImportError("this vLLM has no make_arg_parser where prorsa looks for it")
 
 
