@@ -194,19 +194,20 @@ def test_idle_prefill_workers_return_to_decode_even_when_decodes_are_long() -> N
     assert d.target.prefill < 3
     assert all(s.from_role == Role.PREFILL for s in d.switches)
     cost = PredictivePolicy(AllocationSettings(), CAP).cost
-    to_decode = cost(fc, 2, 3, 32) - cost(fc, 2, 2, 32)
-    to_prefill = cost(fc, 3, 2, 32) - cost(fc, 3, 3, 32)
-    assert to_prefill > 3 * to_decode > 0
+    to_decode = cost(fc, 2, 3, 32) - cost(fc, 3, 3, 32)  # from 3P: leave the pool, or stay
+    to_prefill = cost(fc, 3, 2, 32) - cost(fc, 2, 2, 32)  # from 2P: grow the pool, or stay
+    assert to_decode < 0 < to_prefill
 
 
 def test_a_prefill_pool_is_charged_the_recompute_its_lost_kv_causes() -> None:
     """When live contexts overflow the decode workers' KV, most prefill is recompute of evicted
-    contexts, and every worker taken from decode evicts more: a pool that looks worth opening
-    on the prefill rate alone is not."""
+    contexts, and every worker taken from decode evicts more: a pool that is worth opening on
+    the prefill rate alone is not."""
     pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
     fc = flat(prefill_tps=200_000, seqs=100, kv_per_seq=10_000)
+    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 0.1  # every context fits
+    assert pol.cost(fc, 2, 0, 16) < pol.cost(fc, 0, 0, 16)  # a pool pays, on the rate alone
     fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 2.0  # half the contexts fit
-    assert pol.decide(view(0, 16), fc, now=0.0).target.prefill >= 1  # blind to eviction
     fc.recompute_fraction = 0.9
     assert pol.cost(fc, 4, 0, 16) > pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)
     assert pol.cost(fc, 0, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 0, 0, 16)
@@ -227,21 +228,27 @@ def test_prefill_slows_with_the_context_it_attends_to() -> None:
     assert cap.prefill_slowdown(0) >= 0.1
 
 
-def test_on_expert_parallel_slots_small_appends_go_local_and_first_prompts_to_a_pool() -> None:
+def test_on_expert_parallel_slots_a_local_append_costs_what_the_lockstep_step_says() -> None:
     """DeepSeek-V3 slots as the simulator lays them out (4 prefill EP8 engines or 1 decode
-    EP32 engine): a trickle of short appends does not pay for a slot taken from decode (the
-    first append of a step stalls the unit, the next ones ride along), while a flood of first
-    prompts does pay for one."""
+    EP32 engine): what the allocator charges a decode step for carrying an append (its tokens
+    and their attention to the context) follows the simulator's lockstep step, for agentic
+    appends of 1-4K tokens to 8-32K contexts; and a flood of first prompts that a prefill slot
+    can take pays for one."""
     from prorsa.sim.presets import role_preset
 
-    cap = role_preset("h200-deepseek-v3").laid_out(colocated=False).role_capacity(colocated=False)
+    costs = role_preset("h200-deepseek-v3")
+    cap = costs.laid_out(colocated=False).role_capacity(colocated=False)
+    unit = costs.decode
+    for batch, context, append in ((4_000, 8_192, 1_024), (4_000, 32_768, 4_096),
+                                   (2_000, 16_384, 2_048)):  # fmt: skip
+        kv = batch * context
+        truth = unit.mixed_step_s(batch, kv, append, context, 1) - unit.decode_step_s(batch, kv)
+        assert cap.local_prefill_first_s(append, context) == pytest.approx(truth, rel=0.15)
     pol = PredictivePolicy(AllocationSettings(cooldown_s=0, horizon_s=900, interval_s=15), cap)
     h = Horizon(15.0, 60)
-    trickle = Forecast.flat(h, 20_000, 16_000, 16_000 * 1_300, mean_prefill_tokens=180.0,
-                            evidence=10_000)  # fmt: skip
-    assert pol.decide(view(1, 3), trickle, now=0.0).target.prefill == 0
-    flood = Forecast.flat(h, 300_000, 3_000, 3_000 * 8_000, mean_prefill_tokens=8_000.0,
-                          evidence=10_000)  # fmt: skip
+    flood = Forecast.flat(
+        h, 150_000, 3_000, 3_000 * 8_000, mean_prefill_tokens=8_000.0, evidence=10_000
+    )  # fmt: skip  (what one prefill slot can take)
     assert pol.decide(view(0, 4), flood, now=0.0).target.prefill >= 1
 
 

@@ -55,12 +55,15 @@ def test_every_event_type_round_trips(ev: Event) -> None:
     prompt=st.integers(0, 10**7),
     uncached=st.integers(0, 10**7),
     remote=st.booleans(),
+    held=st.none() | st.integers(0, 10**7),
+    pool=st.none() | st.integers(0, 10**7),
 )
 def test_turn_submit_round_trips_for_any_values(
-    traj: str, ts: float, prompt: int, uncached: int, remote: bool
-) -> None:
+    traj: str, ts: float, prompt: int, uncached: int, remote: bool, held: int | None,
+    pool: int | None,
+) -> None:  # fmt: skip
     ev = Event(EventType.TURN_SUBMIT, traj, ts, prompt_tokens=prompt, uncached_tokens=uncached,
-               remote=remote)  # fmt: skip
+               remote=remote, held_tokens=held, pool_tokens=pool)  # fmt: skip
     assert decode(encode(ev)) == ev
 
 
@@ -88,6 +91,17 @@ def test_malformed_entries_are_rejected_with_the_reason(
 ) -> None:
     fields = {**GOOD, **change}
     fields = {k: v for k, v in fields.items() if v is not None}
+    with pytest.raises(EventError, match=message):
+        decode(fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("held_tokens", "2.5", "integer"), ("pool_tokens", "-1", ">= 0"),
+    ("held_tokens", "lots", "not a number"),
+])  # fmt: skip
+def test_malformed_optional_turn_fields_are_rejected(field: str, value: str, message: str) -> None:
+    fields = {"v": "1", "type": "turn_submit", "traj": "t", "ts": "1.5", "prompt_tokens": "900",
+              "uncached_tokens": "40", field: value}  # fmt: skip
     with pytest.raises(EventError, match=message):
         decode(fields)  # type: ignore[arg-type]
 

@@ -230,3 +230,28 @@ def test_a_batch_sent_again_later_in_the_turn_is_still_a_repeat() -> None:
     assert tab.duplicates_total == len(first)
     assert tab.trajs["a"].turn == 1 and tab.trajs["a"].state == State.TOOL
     assert tab.submitted_tokens_total == 100
+
+
+def test_demand_is_what_a_decode_worker_computes_and_the_pool_is_priced_by_what_it_computes() -> (
+    None
+):
+    """A turn appended to a context its decode worker holds: demand is the append, wherever
+    it ran; the pool's extra work (the held context it recomputes) is learned as a ratio."""
+    tab = LifecycleTable()
+    tab.apply(Event(EventType.TRAJ_START, "a", 0.0))
+    tab.apply(Event(EventType.TURN_SUBMIT, "a", 0.5, prompt_tokens=1000, uncached_tokens=1000,
+                    held_tokens=0, pool_tokens=1000))  # fmt: skip
+    tab.apply(Event(EventType.PREFILL_DONE, "a", 0.6, worker="p0", tokens=1000))
+    tab.apply(Event(EventType.DECODE_DONE, "a", 1.0, worker="d0", output_tokens=200))
+    # the pool prefilled the next turn: it recomputed the 1,200 held tokens and the 300 new
+    tab.apply(Event(EventType.TURN_SUBMIT, "a", 2.0, prompt_tokens=1500, uncached_tokens=1500,
+                    held_tokens=1200, pool_tokens=1500))  # fmt: skip
+    assert tab.submitted_tokens_total == 1000 + 300
+    assert tab.prefill_backlog_tokens == 300
+    assert tab.stats.recompute_share.get(-1.0) == 0.0  # nothing evicted
+    amp = tab.stats.pool_amplification()
+    assert 1.0 < amp < 5.0  # between the first prompt's 1 and the append's 1500/300
+    unreported = LifecycleTable()  # a router of an earlier version: the chosen worker's work
+    unreported.apply(Event(EventType.TURN_SUBMIT, "b", 0.5, prompt_tokens=1500,
+                           uncached_tokens=1500))  # fmt: skip
+    assert unreported.submitted_tokens_total == 1500

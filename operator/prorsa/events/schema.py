@@ -36,6 +36,9 @@ def encode(ev: Event) -> dict[str, str]:
         f["prompt_tokens"] = str(ev.prompt_tokens)
         f["uncached_tokens"] = str(ev.uncached_tokens)
         f["remote"] = "1" if ev.remote else "0"
+        for name in ("held_tokens", "pool_tokens"):
+            if (n := getattr(ev, name)) is not None:
+                f[name] = str(n)
     elif t is EventType.PREFILL_DONE:
         f.update(worker=ev.worker or "", tokens=str(ev.tokens), seconds=repr(ev.seconds))
     elif t is EventType.DECODE_DONE:
@@ -99,6 +102,8 @@ def decode(raw: Mapping[bytes | str, bytes | str]) -> Event:
     if t in _NEEDS_WORKER and worker is None:
         raise EventError(f"{t.value} needs field 'worker'")
     seconds = _number(f, "seconds", required=t in _NEEDS_WORKER) or 0.0
+    held, pool = (_optional_int(f, n) if t is EventType.TURN_SUBMIT else None
+                  for n in ("held_tokens", "pool_tokens"))  # fmt: skip
     remote = f.get("remote", "1")
     if remote not in ("0", "1"):
         raise EventError(f"field 'remote' must be 0 or 1, got {remote[:40]!r}")
@@ -112,5 +117,14 @@ def decode(raw: Mapping[bytes | str, bytes | str]) -> Event:
         seconds=seconds,
         expected_seconds=_number(f, "expected_seconds", required=False),
         reason=f.get("reason") or None,
+        held_tokens=held,
+        pool_tokens=pool,
         **ints,
     )
+
+
+def _optional_int(f: dict[str, str], name: str) -> int | None:
+    x = _number(f, name, required=False)
+    if x is not None and x != int(x):
+        raise EventError(f"field {name!r} must be an integer, got {f[name][:40]!r}")
+    return None if x is None else int(x)

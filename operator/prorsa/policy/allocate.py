@@ -160,7 +160,11 @@ class Policy(ABC):
 
     @property
     def cooldown_s(self) -> float:
-        return self.settings.cooldown_s
+        """No policy can see whether its last switch helped until that switch is done, and
+        what it learned under the old split (how much a pool recomputes, what decode workers
+        evict) needs evidence from the new one: where a switch restarts engines, it waits at
+        least twice that long between switches."""
+        return max(self.settings.cooldown_s, 2.0 * self.capacity.switch_s)
 
     def decide(self, view: ClusterView, forecast: Forecast | None, now: float) -> Decision:
         current = view.allocation
@@ -256,12 +260,6 @@ class ReactivePolicy(Policy):
 
     name: str = "reactive"
 
-    @property
-    def cooldown_s(self) -> float:
-        """A threshold rule cannot see whether its last switch helped until that switch is
-        done: where a switch restarts engines, it waits at least that long between them."""
-        return max(self.settings.cooldown_s, 2.0 * self.capacity.switch_s)
-
     def target(
         self, view: ClusterView, forecast: Forecast | None, now: float
     ) -> tuple[Allocation, str]:
@@ -291,12 +289,16 @@ class ReactivePolicy(Policy):
 class PredictivePolicy(Policy):
     """Prorsa: choose P and D minimising the trajectory-seconds the forecast says are lost.
 
-    Over the horizon, for each candidate split, it plays the forecast forward: prefill work
-    queues when demand exceeds P workers' capacity (each waiting request loses its time);
-    decode sequences slow down as batches and KV reads grow on D workers, and stall outright
-    when their KV does not fit. Workers that must switch contribute nothing until their
-    switch completes. A larger prefill pool wins only if it beats the current split by the
-    hysteresis; a smaller one wins on any gain (a pool that stopped paying goes back to decode).
+    Over the horizon, for each candidate split, it plays the forecast forward: the pool takes
+    its share of the prefill demand up to its capacity, priced at what it computes (more than
+    a decode worker would: the context that worker holds), and the rest is prefilled on the
+    decode workers between their steps; decode sequences slow down as batches, KV reads and
+    local prefills grow on D workers, and stall outright when their KV does not fit. The
+    forecast was observed at the current split's pace: at another pace sequences stay longer
+    or shorter (Little's law). Workers that must switch contribute nothing until their
+    switch completes, and a decode worker that leaves takes the contexts it caches with it.
+    A larger prefill pool wins only if it beats the current split by the hysteresis; a
+    smaller one wins on any gain (a pool that stopped paying goes back to decode).
     """
 
     name: str = "predictive"
@@ -349,9 +351,7 @@ class PredictivePolicy(Policy):
         cap = self.capacity
         dt = fc.step_s
         delay = 1 + math.ceil(cap.switch_s / dt)
-        backlog = fc.prefill_backlog_tokens
         mean_req = max(fc.mean_prefill_tokens, 1.0)
-        carry = 0.0
         # A switched worker drains and takes no new work of either role meanwhile; the
         # sequences it would have served wait elsewhere. A decode worker drains for about one
         # decode's time; a prefill worker only for the request it is prefilling.
@@ -363,58 +363,83 @@ class PredictivePolicy(Policy):
         ev_now = _evicted(fc, n - cur_p, cap.kv_capacity_tokens)
         ev_p = _evicted(fc, n - p, cap.kv_capacity_tokens)
         more_recompute = fc.recompute_fraction * (ev_p / ev_now - 1.0) if ev_now > 0.05 else 0.0
+        # The forecast's sequences decode at the pace of the current split (its durations are
+        # observed ones). At another pace they stay resident longer or shorter (Little's law):
+        # the decoding population tends to the forecast's times the ratio of the paces, within
+        # about one decode's time at the new pace.
+        residency = max(fc.mean_decode_s, 1e-3)
+        surplus, ratio = 0.0, 1.0
+        # A decode worker that leaves takes the contexts it caches with it: the trajectories
+        # it hosted recompute them when they return (over about one decode's time).
+        held = min(fc.resident_kv_tokens / max(n - cur_p, 1), cap.kv_capacity_tokens)
+        rehomed = max(p - cur_p, 0) * held
         for h in range(len(fc.decode_seqs)):
             switching = h < delay
             p_eff = min(p, cur_p) if switching else p
             d_eff = min(n - p, n - cur_p) if switching else n - p
-            # Prefill: the pool-worthy share goes to the prefill pool while the pool keeps up;
-            # the router spills what it cannot take, and every short append, to the decode
-            # workers, which prefill it between their decode steps.
-            # A prefill attends to its trajectory's context (about a decoding sequence's KV).
-            kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
-            slow = cap.prefill_slowdown(kv_seq)
-            demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
-            remote = demand * fc.remote_prefill_share + backlog / dt
-            served = min(remote, p_eff * cap.prefill_tokens_per_s / slow)
-            local = max(demand - served, 0.0)  # a pool draining a backlog takes no appends away
-            backlog = 0.0
-            # Decode: progress lost to bigger batches, KV reads and local prefills; KV
-            # overflow stalls. Lost progress carries over: slowed sequences stay resident
-            # longer (Little's law).
-            seqs = fc.decode_seqs[h] + carry
-            if d_eff <= 0:
-                lost += seqs * dt
-                carry = seqs
+            backlog = fc.prefill_backlog_tokens if h == 0 else 0.0
+            backlog += rehomed * min(dt / residency, 1.0) if h * dt < residency else 0.0
+            planned = fc.decode_seqs[h]
+            if h > 0:
+                settle = -math.expm1(-dt / (residency * ratio))
+                surplus += (planned * (ratio - 1.0) - surplus) * settle
+            seqs = max(planned + surplus, 0.0)
+            step_lost, pace = self._step(fc, h, p_eff, d_eff, seqs, backlog, more_recompute)
+            lost += step_lost
+            if p_eff == cur_p and d_eff == n - cur_p and surplus == 0.0:
+                ratio = 1.0  # the forecast's own split: no deviation from it
                 continue
-            kv_worker = seqs * kv_seq / d_eff
-            stalled = 0.0
-            if kv_worker > cap.kv_capacity_tokens:
-                stalled = 1.0 - cap.kv_capacity_tokens / kv_worker
-                kv_worker = cap.kv_capacity_tokens
-            batch = seqs * (1.0 - stalled) / d_eff
-            pure = cap.decode_step_s(batch, kv_worker)
-            local_rate = cap.local_prefill_rate / slow
-            busy = local / (d_eff * local_rate)
-            first = cap.local_prefill_first_s(mean_req * slow)
-            if first > 0 and local > 0:
-                # The share of steps that carry an append: those steps last longer, so more
-                # appends arrive during each (a few rounds settle the fixed point).
-                rate, mixed, mean_step = local / d_eff / mean_req, 0.0, pure
-                for _ in range(4):
-                    mixed = -math.expm1(-rate * mean_step)
-                    mean_step = pure + mixed * first
-                busy += mixed * first / mean_step
-            if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
-                lost += (busy - 0.95) * d_eff * local_rate * dt / mean_req * dt
-                busy = 0.95
-            if seqs <= 0:
-                continue
-            step = pure / (1.0 - busy)
-            ideal = cap.decode_step_s(1.0, kv_seq)
-            frac = stalled + (1.0 - stalled) * max(0.0, 1.0 - ideal / step)
-            lost += seqs * dt * frac
-            carry = seqs * frac
+            _, pace_now = self._step(fc, h, cur_p, n - cur_p, planned, backlog, 0.0)
+            ratio = min(max(pace_now / max(pace, 1e-9), 0.1), 10.0)
         return lost
+
+    def _step(self, fc: Forecast, h: int, p: int, d: int, seqs: float, backlog: float,
+              more_recompute: float) -> tuple[float, float]:  # fmt: skip
+        """(trajectory-seconds lost, decode pace relative to a lone sequence) in horizon step
+        `h` with `p` prefill and `d` decode workers serving `seqs` decoding sequences."""
+        cap, dt = self.capacity, fc.step_s
+        mean_req = max(fc.mean_prefill_tokens, 1.0)
+        # Prefill: the pool-worthy share goes to the prefill pool while the pool keeps up;
+        # the router spills what it cannot take, and every short append, to the decode
+        # workers, which prefill it between their decode steps.
+        # A prefill attends to its trajectory's context (about a decoding sequence's KV).
+        kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
+        slow = cap.prefill_slowdown(kv_seq)
+        demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
+        # The pool computes more than its share of the demand: the context a trajectory's
+        # decode worker holds and a pool worker does not (`pool_amplification`).
+        remote = demand * fc.remote_prefill_share + backlog / dt
+        served = min(remote, p * cap.prefill_tokens_per_s / slow / fc.pool_amplification)
+        local = max(demand + backlog / dt - served, 0.0)  # the router spills what it cannot take
+        if d <= 0:
+            return seqs * dt, 0.0
+        # Decode: progress lost to bigger batches, KV reads and local prefills; KV overflow
+        # stalls.
+        lost = 0.0
+        kv_worker = seqs * kv_seq / d
+        stalled = 0.0
+        if kv_worker > cap.kv_capacity_tokens:
+            stalled = 1.0 - cap.kv_capacity_tokens / kv_worker
+            kv_worker = cap.kv_capacity_tokens
+        batch = seqs * (1.0 - stalled) / d
+        pure = cap.decode_step_s(batch, kv_worker)
+        local_rate = cap.local_prefill_rate / slow
+        busy = local / (d * local_rate)
+        first = cap.local_prefill_first_s(mean_req, kv_seq)
+        if first > 0 and local > 0:
+            # The share of steps that carry an append: those steps last longer, so more
+            # appends arrive during each (a few rounds settle the fixed point).
+            rate, mixed, mean_step = local / d / mean_req, 0.0, pure
+            for _ in range(4):
+                mixed = -math.expm1(-rate * mean_step)
+                mean_step = pure + mixed * first
+            busy += mixed * first / mean_step
+        if busy >= 0.95:  # decode workers cannot absorb it: the excess waits a step
+            lost += (busy - 0.95) * d * local_rate * dt / mean_req * dt
+            busy = 0.95
+        step = pure / (1.0 - busy)
+        pace = (1.0 - stalled) * min(1.0, cap.decode_step_s(1.0, kv_seq) / step)
+        return lost + seqs * dt * (1.0 - pace), pace
 
 
 def _evicted(fc: Forecast, decode_workers: int, kv_per_worker: float) -> float:

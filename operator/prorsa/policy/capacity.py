@@ -27,6 +27,7 @@ class RoleCapacity:
     # appends on the other ranks of the same step cost `local_prefill_tokens_per_s`.
     local_prefill_step_s: float = 0.0
     local_prefill_rank_tokens_per_s: float = 0.0
+    local_prefill_rank_s_per_token_per_context: float = 0.0  # that append attending its context
     # How prefill slows with the context it attends to: `prefill_tokens_per_s` holds at
     # `prefill_context` tokens of context; each further context token adds this many seconds
     # per new token (attention over the cached prefix). 0: no context dependence known.
@@ -37,11 +38,13 @@ class RoleCapacity:
     def local_prefill_rate(self) -> float:
         return self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
 
-    def local_prefill_first_s(self, tokens: float) -> float:
-        """Seconds a decode step grows by when it carries one append of `tokens`."""
+    def local_prefill_first_s(self, tokens: float, context: float = 0.0) -> float:
+        """Seconds a decode step grows by when it carries one append of `tokens` to a context
+        of `context` tokens."""
         if not self.local_prefill_rank_tokens_per_s:
             return self.local_prefill_step_s
-        return self.local_prefill_step_s + tokens / self.local_prefill_rank_tokens_per_s
+        attend = tokens * context * self.local_prefill_rank_s_per_token_per_context
+        return self.local_prefill_step_s + tokens / self.local_prefill_rank_tokens_per_s + attend
 
     def prefill_slowdown(self, context: float) -> float:
         """Seconds per prefill token at `context` over those at `prefill_context` (>= 0.1)."""

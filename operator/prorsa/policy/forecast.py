@@ -43,6 +43,7 @@ class Forecast:
     mean_prefill_tokens: float = 1.0  # per request: turns a token backlog into waiting requests
     decode_s_per_token: float = 0.02  # observed decode pace (incl. queueing)
     remote_prefill_share: float = 1.0  # of prefill work, the part the prefill pool serves
+    pool_amplification: float = 1.0  # tokens the pool computes per token of its share
     mean_decode_s: float = 1.0  # one decode request, queueing included (a switch drains this)
     evidence: float = 0.0  # completed decodes the statistics behind this forecast have seen
     recompute_fraction: float = 0.0  # of prefill work, the part recomputing evicted contexts
@@ -76,6 +77,7 @@ def table_facts(table: LifecycleTable) -> dict[str, float]:
         "mean_prefill_tokens": max(mean_req, 1.0),
         "decode_s_per_token": st.tpot(0.02),
         "remote_prefill_share": st.remote_share.get(1.0),
+        "pool_amplification": st.pool_amplification(),
         "mean_decode_s": st.decode_s.get(1.0),
         "evidence": float(st.decode_duration.n),
     }

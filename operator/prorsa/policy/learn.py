@@ -192,6 +192,8 @@ class CapacityEstimator:
             switch_s=self._switch_s if self._switch_s is not None else p.switch_s,
             local_prefill_tokens_per_s=p.local_prefill_tokens_per_s * speed,
             local_prefill_rank_tokens_per_s=p.local_prefill_rank_tokens_per_s * speed,
+            local_prefill_rank_s_per_token_per_context=p.local_prefill_rank_s_per_token_per_context
+            / speed,
         )
 
     def evidence(self) -> dict[str, float]:

@@ -51,6 +51,11 @@ class Event:
     prompt_tokens: int = 0  # turn_submit: whole prompt
     uncached_tokens: int = 0  # turn_submit: tokens the chosen prefill worker must compute
     remote: bool = True  # turn_submit: pool-worthy (False: a short append its decode worker holds)
+    # turn_submit: prefix tokens the trajectory's decode worker holds (a prefill there reuses
+    # them), and tokens a prefill pool worker would compute (without a prefix pull, it
+    # recomputes the held context); None: not reported
+    held_tokens: int | None = None
+    pool_tokens: int | None = None
     worker: str | None = None  # prefill_done / decode_done
     tokens: int = 0  # prefill_done: tokens computed
     output_tokens: int = 0  # decode_done
@@ -112,6 +117,10 @@ class LearnedStats:
     prefill_latency_s: Ewma  # submit -> prefill done (queueing + compute)
     remote_share: Ewma  # fraction of submitted prefill tokens a prefill pool would take
     recompute_share: Ewma  # fraction of a returning trajectory's context recomputed (evicted)
+    # Per pool-worthy turn: tokens its decode worker would compute, and tokens a prefill pool
+    # computes for it (more: the held context it recomputes); their ratio prices the pool.
+    worthy_tokens: Ewma
+    pool_tokens: Ewma
     continue_count: float = 1.0  # Laplace prior: a turn is followed by another...
     stop_count: float = 1.0  # ...or by traj_end
     # The same, per turn index (log-spaced bins): agents stop more often at some depths.
@@ -134,7 +143,15 @@ class LearnedStats:
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
             recompute_share=Ewma(0.02),
+            worthy_tokens=Ewma(0.02),
+            pool_tokens=Ewma(0.02),
         )
+
+    def pool_amplification(self) -> float:
+        """Tokens a prefill pool computes per token of demand it takes (>= 1): without a
+        prefix pull it recomputes the context the trajectory's decode worker holds."""
+        demand = self.worthy_tokens.get(0.0)
+        return max(1.0, self.pool_tokens.get(0.0) / demand) if demand > 0 else 1.0
 
     def tpot(self, default: float = 0.02) -> float:
         """Decode seconds per output token: a ratio of means, so durations scale right."""
@@ -224,11 +241,12 @@ class _Samples:
     """What one batch of events teaches the statistics, in event order: flat float columns
     (a record's fields side by side) that numpy reads without copying."""
 
-    __slots__ = ("appended", "continued", "decodes", "ended", "first_prompts", "prefill_s",
-                 "remote", "tool_s")  # fmt: skip
+    __slots__ = ("appended", "continued", "decodes", "ended", "first_prompts", "pool",
+                 "prefill_s", "remote", "tool_s")  # fmt: skip
 
     def __init__(self) -> None:
-        self.remote = array("d")  # (uncached tokens, 1 if pool-worthy)
+        self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
+        self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
         self.first_prompts = array("d")
         self.appended = array("d")  # (turn, tokens appended, uncached, context before)
         self.continued = array("d")  # turns another turn followed
@@ -320,6 +338,7 @@ class LifecycleTable:
         latest_ts, group = self._latest_ts, self.group
         learn = _Samples()
         remote, appended, decodes = learn.remote.extend, learn.appended.extend, learn.decodes.extend
+        pool = learn.pool.extend
         prefill_s, tool_s = learn.prefill_s.append, learn.tool_s.extend
         first_prompt, continued = learn.first_prompts.append, learn.continued.append
         now = self.now
@@ -349,21 +368,26 @@ class LifecycleTable:
             old = state[i]
             new = old  # the state this event moves the trajectory to
             if code == _SUBMIT:
-                uncached = ev.uncached_tokens
-                submitted += uncached
-                if uncached > 0:
-                    remote((uncached, ev.remote))
+                # Demand: what a prefill on the trajectory's decode worker computes (the
+                # prompt less the prefix it holds), wherever it runs; what a pool computes
+                # for the pool-worthy turns prices the pool (unreported: the whole prompt).
+                uncached, prompt, held = ev.uncached_tokens, ev.prompt_tokens, ev.held_tokens
+                demand = uncached if held is None else max(prompt - held, 1)
+                submitted += demand
+                if demand > 0:
+                    remote((demand, ev.remote))
+                    if ev.remote:
+                        pool((demand, max(ev.pool_tokens or prompt, demand)))
                 k = turn[i]
                 turn[i] = k + 1
                 ctx = context[i]
-                prompt = ev.prompt_tokens
                 if k == 0:
                     first_prompt(prompt)
                 elif not late:
                     # What the turn appended (the tool's output) vs what its prefill computes:
                     # the excess is context the serving worker had evicted, recomputed.
                     grew = max(prompt - ctx, 0)
-                    appended((k, grew, uncached, ctx))
+                    appended((k, grew, demand, ctx))
                     # recency-weighted: an agent's observations change size as its task moves on
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
@@ -376,7 +400,7 @@ class LifecycleTable:
                     if prompt > ctx:
                         context[i] = prompt
                     tool_hint[i] = _NO_HINT
-                    pending[i] = uncached
+                    pending[i] = demand
                     new = _PREFILL
                     if old == _PREFILL:  # the previous turn's prefill_done was lost
                         since[i] = ts
@@ -424,6 +448,9 @@ class LifecycleTable:
         tokens, is_remote = learn.records(learn.remote, 2)
         # token-weighted: a big remote prefill counts more than a small local append
         st.remote_share.add_all(is_remote, np.minimum(1.0, tokens / 4096.0))
+        demand, computed = learn.records(learn.pool, 2)
+        st.worthy_tokens.add_all(demand)
+        st.pool_tokens.add_all(computed)
         st.first_prompt_tokens.add_all(learn.records(learn.first_prompts, 1)[0])
         turn, grew, uncached, ctx = learn.records(learn.appended, 4)
         st.tool_output_tokens.add_all(grew)

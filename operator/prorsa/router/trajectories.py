@@ -148,6 +148,9 @@ class Trajectories:
                 prompt_tokens=rec.prompt_tokens,
                 uncached_tokens=max(uncached, 1),
                 remote=plan.pool_worthy,
+                # a prefill worker holds none of it (workers cannot pull a prefix yet)
+                held_tokens=rec.prompt_tokens - rec.facts.new_tokens if plan.holds_prefix else 0,
+                pool_tokens=rec.prompt_tokens,
             )
         )
 

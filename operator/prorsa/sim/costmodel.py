@@ -320,6 +320,8 @@ class ScaledCost:
             prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / s,
             local_prefill_tokens_per_s=c.local_prefill_tokens_per_s * s,
             local_prefill_rank_tokens_per_s=c.local_prefill_rank_tokens_per_s * s,
+            local_prefill_rank_s_per_token_per_context=c.local_prefill_rank_s_per_token_per_context
+            / s,
             local_prefill_step_s=c.local_prefill_step_s * d,
             decode_base_step_s=c.decode_base_step_s * d,
             decode_s_per_seq=c.decode_s_per_seq * d,

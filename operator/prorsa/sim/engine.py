@@ -195,12 +195,16 @@ class Simulator:
         pull = self._prefix_to_pull(tr, w, local, prompt)
         cached += pull
         compute = max(prompt - cached, 1)
+        home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
+        held = min(home.cached(tr.idx), prompt - 1) if home is not None else 0
         self._emit(
             EventType.TURN_SUBMIT,
             tr,
             prompt_tokens=prompt,
             uncached_tokens=compute,
             remote=worthy,
+            held_tokens=held,
+            pool_tokens=compute if not local else self._pool_tokens(tr, prompt, held),
         )
         tr.context = prompt
         tr.phase_t0 = tr.submitted_at = self.now
@@ -210,6 +214,17 @@ class Simulator:
             self._push(self.now + self.cost.kv_transfer_s(pull), _PREFIX_PULLED, (job, w))
             return
         self._enqueue_prefill(w, job)
+
+    def _pool_tokens(self, tr: TrajRun, prompt: int, held: int) -> int:
+        """What a prefill worker would compute for a turn prefilled elsewhere: the prompt
+        less what the worker that prefilled this trajectory before still caches (or, with
+        a prefix pull, what its decode worker holds)."""
+        cached = 0
+        if tr.prefill_home >= 0 and self.workers[tr.prefill_home].role is Role.PREFILL:
+            cached = self.workers[tr.prefill_home].cached(tr.idx)
+        if self.cfg.prefix_pull:
+            cached = max(cached, held)
+        return max(prompt - cached, 1)
 
     def _prefix_to_pull(self, tr: TrajRun, w: SimWorker, local: bool, prompt: int) -> int:
         """Prefix tokens a pool prefill pulls from the trajectory's decode worker (what-if)."""

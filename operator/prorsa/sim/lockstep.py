@@ -289,12 +289,16 @@ class LockstepCost:
         # A decode unit prefilling locally: the first append of a step costs the whole step
         # (every rank waits for its chunk, the step runs without graphs); appends on the
         # other ranks of the same step cost only their own work.
+        # The first append's own cost: its tokens, and their attention to its context.
         append, tiny, decode = typical_new, 16.0, self.decode_step_s(b0, kv0)
         bare = self.mixed_step_s(b0, kv0, tiny, typical_context, 1)
         one = self.mixed_step_s(b0, kv0, append, typical_context, 1)
+        bare0 = self.mixed_step_s(b0, kv0, tiny, 0.0, 1)
+        one0 = self.mixed_step_s(b0, kv0, append, 0.0, 1)
         every = self.mixed_step_s(b0, kv0, append * self.gpus, typical_context, self.gpus)
         more = max((every - one) / (append * (self.gpus - 1)), 1e-12) if self.gpus > 1 else 0.0
-        rank_rate = (append - tiny) / max(one - bare, 1e-9)
+        rank_rate = (append - tiny) / max(one0 - bare0, 1e-9)
+        attend = max((one - bare) - (one0 - bare0), 0.0) / ((append - tiny) * typical_context)
         # Context dependence of prefill: the same request at 4x the typical context.
         far = 4.0 * typical_context
         slope = (self.prefill_s(typical_new, far) - per_req) / typical_new / (far - typical_context)
@@ -303,6 +307,7 @@ class LockstepCost:
             local_prefill_tokens_per_s=1.0 / more if more else append / max(one - decode, 1e-9),
             local_prefill_step_s=max(bare - decode, 0.0) if more else 0.0,
             local_prefill_rank_tokens_per_s=rank_rate if more else 0.0,
+            local_prefill_rank_s_per_token_per_context=attend if more else 0.0,
             prefill_s_per_token_per_context=max(slope, 0.0),
             prefill_context=typical_context,
             decode_base_step_s=base,

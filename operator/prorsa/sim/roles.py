@@ -84,6 +84,7 @@ class Slot:
             local_prefill_tokens_per_s=c.local_prefill_rate * e,
             local_prefill_step_s=c.local_prefill_step_s,  # each engine's step pays it
             local_prefill_rank_tokens_per_s=c.local_prefill_rank_tokens_per_s,
+            local_prefill_rank_s_per_token_per_context=c.local_prefill_rank_s_per_token_per_context,
             prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / e,
             prefill_context=c.prefill_context,
         )
@@ -157,6 +158,7 @@ class RoleCosts:
             local_prefill_tokens_per_s=d.local_prefill_rate,
             local_prefill_step_s=d.local_prefill_step_s,
             local_prefill_rank_tokens_per_s=d.local_prefill_rank_tokens_per_s,
+            local_prefill_rank_s_per_token_per_context=d.local_prefill_rank_s_per_token_per_context,
             prefill_s_per_token_per_context=p.prefill_s_per_token_per_context,
             prefill_context=p.prefill_context,
         )
