@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import turn
-from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State, turn_bin
+from prorsa.policy.learned import turn_bin
+from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
 
 
 def start(traj: str, ts: float, group: str | None = None) -> Event:

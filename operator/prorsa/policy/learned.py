@@ -1,0 +1,140 @@
+"""What the lifecycle table learns from completed work: the distributions the lifecycle
+forecaster reads (tool latency and output size, output length, decode speed, continuation by
+turn depth) and what a prefill pool computes per token of demand it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prorsa.policy.stats import Ewma, LogHistogram, LogMoments
+
+TOOL_OUTPUT_PRIOR = 512.0  # tokens of a tool observation before any was seen
+
+
+@dataclass
+class LearnedStats:
+    """Distributions learned online from completed work."""
+
+    tool_latency: LogHistogram
+    tool_output_tokens: Ewma  # tokens a turn appends after the first (tool output)
+    first_prompt_tokens: Ewma
+    output_len: LogMoments  # log output tokens per turn, all trajectories
+    decode_s: Ewma  # decode request seconds (includes KV transfer and queueing)
+    # decode durations divided by their GRPO group's length factor: a long-tailed, queue-aware
+    # distribution, shared by all groups, that each group stretches or shrinks
+    decode_duration: LogHistogram
+    decode_tokens: Ewma  # output tokens per decode request
+    prefill_latency_s: Ewma  # submit -> prefill done (queueing + compute)
+    remote_share: Ewma  # fraction of submitted prefill tokens a prefill pool would take
+    recompute_share: Ewma  # fraction of a returning trajectory's context recomputed (evicted)
+    # Per pool-worthy turn: tokens its decode worker would compute, and tokens a prefill pool
+    # computes for it (more: the held context it recomputes); their ratio prices the pool.
+    worthy_tokens: Ewma
+    pool_tokens: Ewma
+    continue_count: float = 1.0  # Laplace prior: a turn is followed by another...
+    stop_count: float = 1.0  # ...or by traj_end
+    # The same, per turn index (log-spaced bins): agents stop more often at some depths.
+    continue_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    stop_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    # Tool output size per turn depth: agents plan with short observations, then act with long.
+    tool_out_sum_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    tool_out_n_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+
+    @classmethod
+    def fresh(cls) -> LearnedStats:
+        return cls(
+            tool_latency=LogHistogram(),
+            tool_output_tokens=Ewma(0.05),
+            first_prompt_tokens=Ewma(0.05),
+            output_len=LogMoments(),
+            decode_s=Ewma(0.05),
+            decode_duration=LogHistogram(half_life_s=180.0),
+            decode_tokens=Ewma(0.05),
+            prefill_latency_s=Ewma(0.1),
+            remote_share=Ewma(0.02),
+            recompute_share=Ewma(0.02),
+            worthy_tokens=Ewma(0.02),
+            pool_tokens=Ewma(0.02),
+        )
+
+    def pool_amplification(self) -> float:
+        """Tokens a prefill pool computes per token of demand it takes (>= 1): without a
+        prefix pull it recomputes the context the trajectory's decode worker holds."""
+        demand = self.worthy_tokens.get(0.0)
+        return max(1.0, self.pool_tokens.get(0.0) / demand) if demand > 0 else 1.0
+
+    def tpot(self, default: float = 0.02) -> float:
+        """Decode seconds per output token: a ratio of means, so durations scale right."""
+        if self.decode_s.value is None or not self.decode_tokens.value:
+            return default
+        return max(self.decode_s.value / self.decode_tokens.value, 1e-5)
+
+    @property
+    def p_continue(self) -> float:
+        return self.continue_count / (self.continue_count + self.stop_count)
+
+    def p_continue_after(self, turns: np.ndarray) -> np.ndarray:
+        """P(another turn follows turn k) for each k, shrunk toward the overall rate."""
+        c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
+        prior = 4.0
+        by_bin: np.ndarray = (c + prior * self.p_continue) / (c + s + prior)
+        return np.take(by_bin, turn_bins(turns))
+
+    def mean_tool_output(self) -> float:
+        """Tokens a returning turn appends: as learned; before any was seen, a typical tool
+        observation no larger than the task's first prompt (an agent's observations of a
+        small task are small; those of a large task are not each as large as the task)."""
+        first = self.first_prompt_tokens.get(TOOL_OUTPUT_PRIOR)
+        return self.tool_output_tokens.get(min(first, TOOL_OUTPUT_PRIOR))
+
+    def tool_output_after(self, turns: np.ndarray) -> np.ndarray:
+        """Expected tokens appended before turn k + 1 for each k, shrunk toward the overall
+        mean."""
+        sums, n = np.array(self.tool_out_sum_by_turn), np.array(self.tool_out_n_by_turn)
+        prior = 4.0
+        overall = self.mean_tool_output()
+        by_bin: np.ndarray = (sums + prior * overall) / (n + prior)
+        return np.take(by_bin, turn_bins(turns + 1))
+
+    def learn_continuations(self, continued_after: np.ndarray, ended_after: np.ndarray) -> None:
+        """Turns another turn followed, and turns the trajectory ended after."""
+        for turns, total, by_turn in (
+            (continued_after, "continue_count", self.continue_by_turn),
+            (ended_after, "stop_count", self.stop_by_turn),
+        ):
+            if turns.size:
+                setattr(self, total, getattr(self, total) + turns.size)
+                counts = np.bincount(turn_bins(turns), minlength=_TURN_BINS)
+                for b in np.flatnonzero(counts).tolist():
+                    by_turn[b] += float(counts[b])
+
+    def learn_appended(self, turns: np.ndarray, tokens: np.ndarray) -> None:
+        """Tokens appended before each of `turns`, in order: decayed sums per turn depth."""
+        bins = turn_bins(turns)
+        for b in np.unique(bins).tolist():
+            x = tokens[bins == b]
+            decay = 0.98 ** np.arange(x.size - 1, -1, -1)  # the newest sample weighs 1
+            self.tool_out_sum_by_turn[b] = 0.98**x.size * self.tool_out_sum_by_turn[b] + float(
+                decay @ x
+            )
+            self.tool_out_n_by_turn[b] = 0.98**x.size * self.tool_out_n_by_turn[b] + float(
+                decay.sum()
+            )
+
+
+_TURN_BINS = 16
+
+
+def turn_bins(turns: np.ndarray) -> np.ndarray:
+    """1, 2, 3, 4, 5-6, 7-8, 9-11, 12-16, ... (two bins per doubling), capped."""
+    safe = np.maximum(turns, 1)
+    return np.where(
+        turns <= 1, 0, np.minimum((2.0 * np.log2(safe)).astype(np.int64), _TURN_BINS - 1)
+    )
+
+
+def turn_bin(turn: int) -> int:
+    return int(turn_bins(np.array([turn]))[0])
