@@ -200,21 +200,21 @@ def test_idle_prefill_workers_return_to_decode_even_when_decodes_are_long() -> N
 
 
 def test_a_prefill_pool_is_charged_the_recompute_its_lost_kv_causes() -> None:
-    """When live contexts overflow the decode workers' KV, most prefill is recompute of evicted
-    contexts, and every worker taken from decode evicts more: a pool that is worth opening on
-    the prefill rate alone is not."""
+    """When the live contexts only just fit the decode workers' KV, every worker taken from
+    decode evicts some, and each returning turn then recomputes its context: a pool that is
+    worth opening on the prefill rate alone is not. From a split that already evicts as much,
+    nothing changes."""
     pol = PredictivePolicy(AllocationSettings(cooldown_s=0), CAP)
     fc = flat(prefill_tps=200_000, seqs=100, kv_per_seq=10_000)
-    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 0.1  # every context fits
+    fits = 16 * CAP.kv_capacity_tokens
+    fc.resident_kv_tokens, fc.live_trajectories = 0.1 * fits, 0.1 * fits / 20_000
     assert pol.cost(fc, 2, 0, 16) < pol.cost(fc, 0, 0, 16)  # a pool pays, on the rate alone
-    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 2.0  # half the contexts fit
-    fc.recompute_fraction = 0.9
-    assert pol.cost(fc, 4, 0, 16) > pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)
-    assert pol.cost(fc, 0, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 0, 0, 16)
-    assert pol.decide(view(0, 16), fc, now=0.0).target.prefill == 0
-    # with room for every context, nothing is evicted and the pool is judged as before
-    fc.resident_kv_tokens = 16 * CAP.kv_capacity_tokens * 0.5
-    assert pol.cost(fc, 4, 0, 16) == pol.cost(replace(fc, recompute_fraction=0.0), 4, 0, 16)
+    tight = replace(fc, resident_kv_tokens=0.98 * fits, live_trajectories=0.98 * fits / 20_000)
+    roomy = replace(tight, resident_kv_tokens=0.5 * fits)  # the same contexts, half the size
+    assert pol.cost(tight, 4, 0, 16) > pol.cost(roomy, 4, 0, 16)
+    assert pol.cost(tight, 0, 0, 16) == pol.cost(roomy, 0, 0, 16)  # nothing evicted at 0P
+    assert pol.decide(view(0, 16), tight, now=0.0).target.prefill == 0
+    assert pol.cost(tight, 4, 4, 16) == pol.cost(roomy, 4, 4, 16)  # evicting as much already
 
 
 def test_prefill_slows_with_the_context_it_attends_to() -> None:

@@ -362,7 +362,10 @@ class PredictivePolicy(Policy):
         # (the forecast saw it at the current split; fewer decode workers evict more).
         ev_now = _evicted(fc, n - cur_p, cap.kv_capacity_tokens)
         ev_p = _evicted(fc, n - p, cap.kv_capacity_tokens)
-        more_recompute = fc.recompute_fraction * (ev_p / ev_now - 1.0) if ev_now > 0.05 else 0.0
+        # A returning turn recomputes its context where it was evicted: per token of demand,
+        # the evicted share of a context per appended token, more (or less) than now.
+        per_turn = fc.resident_kv_tokens / max(fc.live_trajectories, 1.0)
+        more_recompute = (ev_p - ev_now) * per_turn / max(fc.mean_prefill_tokens, 1.0)
         # The forecast's sequences decode at the pace of the current split (its durations are
         # observed ones). At another pace they stay resident longer or shorter (Little's law):
         # the decoding population tends to the forecast's times the ratio of the paces, within
@@ -405,7 +408,7 @@ class PredictivePolicy(Policy):
         # A prefill attends to its trajectory's context (about a decoding sequence's KV).
         kv_seq = fc.decode_kv_tokens[h] / max(fc.decode_seqs[h], 1.0)
         slow = cap.prefill_slowdown(kv_seq)
-        demand = fc.prefill_tokens_per_s[h] * (1.0 + more_recompute)
+        demand = fc.prefill_tokens_per_s[h] * max(1.0 + more_recompute, 0.0)
         # The pool computes more than its share of the demand: the context a trajectory's
         # decode worker holds and a pool worker does not (`pool_amplification`).
         remote = demand * fc.remote_prefill_share + backlog / dt

@@ -48,6 +48,7 @@ class Forecast:
     evidence: float = 0.0  # completed decodes the statistics behind this forecast have seen
     recompute_fraction: float = 0.0  # of prefill work, the part recomputing evicted contexts
     resident_kv_tokens: float = 0.0  # context of every live trajectory (decode caches keep it)
+    live_trajectories: float = 0.0  # trajectories in flight (that context is theirs)
 
     @classmethod
     def flat(
@@ -73,6 +74,7 @@ def table_facts(table: LifecycleTable) -> dict[str, float]:
     return {
         "recompute_fraction": recomputed / (recomputed + max(mean_req, 1.0)),
         "resident_kv_tokens": resident,
+        "live_trajectories": float(live),
         "prefill_backlog_tokens": float(table.prefill_backlog_tokens),
         "mean_prefill_tokens": max(mean_req, 1.0),
         "decode_s_per_token": st.tpot(0.02),
