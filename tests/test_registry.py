@@ -4,7 +4,9 @@ In-flight counts are written into the `workers` hash exactly as a router reports
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from redis.asyncio import Redis
 
@@ -59,12 +61,23 @@ def test_corrupted_entries_are_invisible_not_fatal(redis_url: str) -> None:
     asyncio.run(main())
 
 
-async def _report(r: Redis, worker: str, prefill: int, decode: int, stop: asyncio.Event) -> None:
-    """What a router does every interval."""
-    while not stop.is_set():
-        await r.hset(KEYS.workers, inflight.field(worker, "r1"),
-                     inflight.value(prefill, decode, time.time()))  # fmt: skip
-        await asyncio.sleep(0.05)
+@contextlib.asynccontextmanager
+async def reporting(r: Redis, worker: str, prefill: int, decode: int) -> AsyncIterator[None]:
+    """What a router does every interval, for the duration of the block."""
+    stop = asyncio.Event()
+
+    async def report() -> None:
+        while not stop.is_set():
+            await r.hset(KEYS.workers, inflight.field(worker, "r1"),
+                         inflight.value(prefill, decode, time.time()))  # fmt: skip
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 def test_switch_waits_for_a_fresh_zero_then_relabels(redis_url: str) -> None:
@@ -72,22 +85,18 @@ def test_switch_waits_for_a_fresh_zero_then_relabels(redis_url: str) -> None:
         async with Redis.from_url(redis_url) as r:
             cluster = LocalCluster(r, KEYS)
             await cluster.registry.register("w0", "http://x:1", Role.PREFILL)
-            stop = asyncio.Event()
             # a stale zero written before the drain proves nothing:
             await r.hset(KEYS.workers, inflight.field("w0", "r1"), inflight.value(0, 0, 1.0))
-            busy = asyncio.create_task(_report(r, "w0", 2, 0, stop))
-            sw = asyncio.create_task(switch(cluster, "w0", Role.DECODE, settle_s=0.2, poll_s=0.05))
-            await asyncio.sleep(0.5)
-            assert not sw.done()
-            [w] = await cluster.workers()
-            assert w.draining and w.role is Role.PREFILL  # still draining its prefills
-            stop.set()
-            await busy
-            stop2 = asyncio.Event()
-            idle = asyncio.create_task(_report(r, "w0", 0, 3, stop2))  # decodes don't block
-            assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
-            stop2.set()
-            await idle
+            async with reporting(r, "w0", 2, 0):
+                sw = asyncio.create_task(
+                    switch(cluster, "w0", Role.DECODE, settle_s=0.2, poll_s=0.05)
+                )
+                await asyncio.sleep(0.5)
+                assert not sw.done()
+                [w] = await cluster.workers()
+                assert w.draining and w.role is Role.PREFILL  # still draining its prefills
+            async with reporting(r, "w0", 0, 3):  # decodes don't block
+                assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
             [w] = await cluster.workers()
             assert w.role is Role.DECODE and not w.draining
 
@@ -99,11 +108,8 @@ def test_switch_rolls_back_when_the_drain_times_out(redis_url: str) -> None:
         async with Redis.from_url(redis_url) as r:
             cluster = LocalCluster(r, KEYS)
             await cluster.registry.register("w0", "http://x:1", Role.DECODE)
-            stop = asyncio.Event()
-            stuck = asyncio.create_task(_report(r, "w0", 0, 1, stop))
-            out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.6, settle_s=0.1)
-            stop.set()
-            await stuck
+            async with reporting(r, "w0", 0, 1):
+                out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.6, settle_s=0.1)
             assert out is SwitchOutcome.ROLLED_BACK
             [w] = await cluster.workers()
             assert w.role is Role.DECODE and not w.draining
@@ -118,11 +124,8 @@ def test_a_new_controller_finishes_a_half_done_switch(redis_url: str) -> None:
             cluster = LocalCluster(r, KEYS)
             await cluster.registry.register("w0", "http://x:1", Role.PREFILL)
             await cluster.mark_draining("w0", Role.DECODE)  # then the controller died
-            stop = asyncio.Event()
-            idle = asyncio.create_task(_report(r, "w0", 0, 0, stop))
-            out = await switch(cluster, "w0", Role.DECODE, settle_s=0.1, poll_s=0.05)
-            stop.set()
-            await idle
+            async with reporting(r, "w0", 0, 0):
+                out = await switch(cluster, "w0", Role.DECODE, settle_s=0.1, poll_s=0.05)
             assert out is SwitchOutcome.DONE
             [w] = await cluster.workers()
             assert w.role is Role.DECODE and not w.draining
@@ -146,12 +149,9 @@ def test_switch_waits_for_the_engine_too_when_routers_report_zero(redis_url: str
             cluster = LocalCluster(r, KEYS)
             url = str(engine.make_url("")).rstrip("/")
             await cluster.registry.register("w0", url, Role.DECODE)
-            stop = asyncio.Event()
-            idle = asyncio.create_task(_report(r, "w0", 0, 0, stop))
-            out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.8, settle_s=0.1,
-                               engine_check=True)  # fmt: skip
-            stop.set()
-            await idle
+            async with reporting(r, "w0", 0, 0):
+                out = await switch(cluster, "w0", Role.PREFILL, drain_timeout_s=0.8,
+                                   settle_s=0.1, engine_check=True)  # fmt: skip
             assert out is SwitchOutcome.ROLLED_BACK
             assert await cluster.engine_inflight("w0") == 1
 
@@ -170,26 +170,17 @@ def test_a_restarting_switch_waits_for_kv_another_worker_has_not_pulled_yet(
         async with Redis.from_url(redis_url) as r:
             cluster = LocalCluster(r, KEYS)
             await cluster.registry.register("w0", "http://127.0.0.1:9", Role.DECODE)  # no engine
-            stop = asyncio.Event()
-            pulling = asyncio.create_task(_report(r, "w0", 1, 0, stop))
-            sw = asyncio.create_task(switch(cluster, "w0", Role.PREFILL, settle_s=0.1,
-                                            poll_s=0.05, engine_check=True))  # fmt: skip
-            await asyncio.sleep(0.6)
-            assert not sw.done()  # routing mode would have relabelled here
-            stop.set()
-            await pulling
-            stop2 = asyncio.Event()
-            pulled = asyncio.create_task(_report(r, "w0", 0, 0, stop2))
-            assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
-            stop2.set()
-            await pulled
+            async with reporting(r, "w0", 1, 0):  # the KV not pulled yet
+                sw = asyncio.create_task(switch(cluster, "w0", Role.PREFILL, settle_s=0.1,
+                                                poll_s=0.05, engine_check=True))  # fmt: skip
+                await asyncio.sleep(0.6)
+                assert not sw.done()  # routing mode would have relabelled here
+            async with reporting(r, "w0", 0, 0):
+                assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
             # routing mode: the engine keeps the KV, so only the old role's work counts
             await cluster.registry.register("w1", "http://127.0.0.1:9", Role.DECODE)
-            stop3 = asyncio.Event()
-            shedding = asyncio.create_task(_report(r, "w1", 1, 0, stop3))
-            out = await switch(cluster, "w1", Role.PREFILL, settle_s=0.1, poll_s=0.05)
-            stop3.set()
-            await shedding
+            async with reporting(r, "w1", 1, 0):
+                out = await switch(cluster, "w1", Role.PREFILL, settle_s=0.1, poll_s=0.05)
             assert out is SwitchOutcome.DONE
 
     asyncio.run(main())
