@@ -53,12 +53,16 @@ class KubeCluster:
                                     counts.get(ep.name, Inflight()), ep.url))  # fmt: skip
         return out
 
-    async def _patch(self, name: str, patch: dict[str, Any]) -> None:
-        """Merge-patch a worker pod, guarded by the resourceVersion it was read at."""
-        for _ in range(3):
+    async def _patch(self, name: str, patch: dict[str, Any], record_group: bool = False) -> None:
+        """Merge-patch a worker pod, guarded by the resourceVersion it was read at. With
+        `record_group`, a multi-node worker's role (the one the pod has after the patch) is
+        first recorded on its LeaderWorkerSet, so a group it recreates is relabelled to it."""
+        for attempt in range(3):
             pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
             if pod is None:
                 return
+            if record_group and attempt == 0:
+                await self._record_group_role(pod, patch)
             version = pod["metadata"].get("resourceVersion")
             try:
                 await self.api.patch("v1", "Pod", self.keys.namespace, name, patch, version)
@@ -73,32 +77,28 @@ class KubeCluster:
         await self._patch(name, {"metadata": {"annotations": {
             L.DRAINING: "true", L.TARGET_ROLE: target.value}}})  # fmt: skip
 
-    async def _record_group_role(self, name: str, role: Role | None) -> None:
-        """A multi-node worker's role is also kept on its LeaderWorkerSet (`role` None: the
-        pod's current one), so a group it recreates is relabelled to it; recorded before the
-        pod is relabelled."""
-        pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
-        labels = ((pod or {}).get("metadata") or {}).get("labels") or {}
+    async def _record_group_role(self, pod: dict[str, Any], patch: dict[str, Any]) -> None:
+        labels = pod["metadata"].get("labels") or {}
         group = labels.get(L.LWS_NAME)
-        value = role.value if role is not None else labels.get(L.ROLE)
-        if not group or not value:
+        role = (patch["metadata"].get("labels") or {}).get(L.ROLE) or labels.get(L.ROLE)
+        if not group or not role:
             return
         try:
             await self.api.patch(LWS_API, "LeaderWorkerSet", self.keys.namespace, group,
-                                 {"metadata": {"labels": {L.ROLE: value}}})  # fmt: skip
+                                 {"metadata": {"labels": {L.ROLE: role}}})  # fmt: skip
         except (ApiError, OSError) as e:
             raise ClusterUnavailable(f"Kubernetes API: {e}") from e
 
     async def set_role(self, name: str, role: Role) -> None:
-        await self._record_group_role(name, role)
         await self._patch(name, {"metadata": {
             "labels": {L.ROLE: role.value},
-            "annotations": {L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
+            "annotations": {L.DRAINING: None, L.TARGET_ROLE: None}}},
+            record_group=True)  # fmt: skip
 
     async def cancel_drain(self, name: str) -> None:
-        await self._record_group_role(name, None)  # a switch rolled back keeps the old role
+        # a switch rolled back keeps the old role, on the pod and its LeaderWorkerSet
         await self._patch(name, {"metadata": {"annotations": {
-            L.DRAINING: None, L.TARGET_ROLE: None}}})  # fmt: skip
+            L.DRAINING: None, L.TARGET_ROLE: None}}}, record_group=True)  # fmt: skip
 
     async def engine_inflight(self, name: str) -> int | None:
         pod = await self.api.get("v1", "Pod", self.keys.namespace, name)

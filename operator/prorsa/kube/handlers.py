@@ -234,8 +234,7 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
         for obj in b.managed_redis(name, namespace, owner):
             await k.create(obj)
 
-    units = await _units(name, namespace, spec)
-    pods = await k.list("v1", "Pod", namespace, L.worker_selector(name))
+    units, pods = await _units(name, namespace, spec)
     live = _live(units)
     n = spec.workers.replicas
     new_workers = _missing_workers(name, namespace, owner, spec, units)
@@ -275,11 +274,15 @@ def _unsupported(spec: RolloutClusterSpec) -> str | None:
     return None
 
 
-async def _units(name: str, namespace: str, spec: RolloutClusterSpec) -> list[dict[str, Any]]:
-    """What the cluster's workers are made of: pods, or LeaderWorkerSets where they span
-    nodes."""
-    selector = L.group_selector if spec.workers.multi_node else L.worker_selector
-    return await api().list(*_unit_kind(spec), namespace, selector(name))
+async def _units(name: str, namespace: str, spec: RolloutClusterSpec
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    """(What the cluster's workers are made of, their pods): the pods themselves, or
+    LeaderWorkerSets where workers span nodes (then the pods are their first nodes')."""
+    pods = await api().list("v1", "Pod", namespace, L.worker_selector(name))
+    if not spec.workers.multi_node:
+        return pods, pods
+    groups = await api().list(*_unit_kind(spec), namespace, L.group_selector(name))
+    return groups, pods
 
 
 def _unit_kind(spec: RolloutClusterSpec) -> tuple[str, str]:
@@ -323,7 +326,7 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str |
         return  # reconcile has said why
     if _unsupported(spec) is not None:
         return  # reconcile has said why
-    units = await _units(cluster, namespace, spec)
+    units, pods = await _units(cluster, namespace, spec)
     if type == "DELETED":
         # A LeaderWorkerSet recreates its own pods: only a worker itself gone is replaced.
         ref = b.owner_reference(cluster, owner["metadata"].get("uid", ""))
@@ -331,12 +334,13 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str |
                     if await k.create(u)]  # fmt: skip
         if replaced:
             units = [*units, *replaced]
+            if not spec.workers.multi_node:
+                pods = units
             names = ", ".join(u["metadata"]["name"] for u in replaced)
             gone = body["metadata"]["name"]
             await post_event(owner, "Replaced", f"worker {gone} is gone; created {names}")
     elif spec.workers.multi_node:
         await _restore_group_role(body, units)
-    pods = await k.list("v1", "Pod", namespace, L.worker_selector(cluster))
     generation = int(owner.get("metadata", {}).get("generation") or 0)
     status = _status(cluster, namespace, spec, generation, _live(units), pods)
     await k.patch_status(f"{GROUP}/{VERSION}", "RolloutCluster", namespace, cluster, status)
