@@ -261,3 +261,23 @@ def test_a_prefill_backlog_never_makes_a_split_look_cheaper() -> None:
     busy = replace(fc, prefill_backlog_tokens=5_000_000.0)
     for p in (1, 2, 4):
         assert pol.cost(busy, p, p, 16) >= pol.cost(fc, p, p, 16)
+
+
+def test_an_idle_pool_goes_back_to_decode_even_when_a_switch_restarts_the_engine() -> None:
+    """A switched worker is priced by the time it serves neither role (drain + restart), once:
+    an idle prefill worker that will decode again after a 300 s restart is worth switching over
+    a 450 s horizon, however many sequences the decode workers carry meanwhile."""
+    cap = replace(CAP, switch_s=300.0)
+    pol = PredictivePolicy(AllocationSettings(cooldown_s=0), cap)
+    fc = Forecast(
+        15.0,
+        [0.0] * 30,
+        [6000.0] * 30,
+        [6000.0 * 20_000.0] * 30,
+        mean_prefill_tokens=1000.0,
+        mean_decode_s=60.0,
+        evidence=10_000,
+    )
+    assert pol.cost(fc, 0, 1, 4) < pol.cost(fc, 1, 1, 4)
+    d = pol.decide(view(1, 3), fc, now=0.0)
+    assert d.target == Allocation(0, 4)

@@ -350,14 +350,12 @@ class PredictivePolicy(Policy):
         """Trajectory-seconds lost over the horizon if the cluster had `p` prefill workers."""
         cap = self.capacity
         dt = fc.step_s
-        delay = 1 + math.ceil(cap.switch_s / dt)
         mean_req = max(fc.mean_prefill_tokens, 1.0)
-        # A switched worker drains and takes no new work of either role meanwhile; the
-        # sequences it would have served wait elsewhere. A decode worker drains for about one
-        # decode's time; a prefill worker only for the request it is prefilling.
-        per_worker = fc.decode_seqs[0] / max(n, 1) if fc.decode_seqs else 0.0
+        # A switched worker drains and takes no new work of either role meanwhile, then
+        # restarts: it serves neither role for that long. A decode worker drains for about
+        # one decode's time; a prefill worker only for the request it is prefilling.
         drain_s = fc.mean_decode_s if p > cur_p else mean_req / cap.prefill_tokens_per_s
-        lost = abs(p - cur_p) * per_worker * (drain_s + cap.switch_s)
+        away_s = cap.switch_s + drain_s
         # Recompute scales with the share of live contexts the decode workers cannot hold
         # (the forecast saw it at the current split; fewer decode workers evict more).
         ev_now = _evicted(fc, n - cur_p, cap.kv_capacity_tokens)
@@ -371,17 +369,19 @@ class PredictivePolicy(Policy):
         # the decoding population tends to the forecast's times the ratio of the paces, within
         # about one decode's time at the new pace.
         residency = max(fc.mean_decode_s, 1e-3)
-        surplus, ratio = 0.0, 1.0
+        lost, surplus, ratio = 0.0, 0.0, 1.0
         # A decode worker that leaves takes the contexts it caches with it: the trajectories
         # it hosted recompute them when they return (over about one decode's time).
         held = min(fc.resident_kv_tokens / max(n - cur_p, 1), cap.kv_capacity_tokens)
         rehomed = max(p - cur_p, 0) * held
         for h in range(len(fc.decode_seqs)):
-            switching = h < delay
-            p_eff = min(p, cur_p) if switching else p
-            d_eff = min(n - p, n - cur_p) if switching else n - p
-            backlog = fc.prefill_backlog_tokens if h == 0 else 0.0
-            backlog += rehomed * min(dt / residency, 1.0) if h * dt < residency else 0.0
+            # The workers leaving a role are gone from it at once; they join the other role
+            # after `away_s`, part way through a horizon step.
+            arrived = min(max(((h + 1) * dt - away_s) / dt, 0.0), 1.0)
+            p_eff = min(p, cur_p) + arrived * max(p - cur_p, 0)
+            d_eff = min(n - p, n - cur_p) + arrived * max(cur_p - p, 0)
+            queued = fc.prefill_backlog_tokens if h == 0 else 0.0
+            backlog = queued + (rehomed * min(dt / residency, 1.0) if h * dt < residency else 0.0)
             planned = fc.decode_seqs[h]
             if h > 0:
                 settle = -math.expm1(-dt / (residency * ratio))
@@ -392,11 +392,11 @@ class PredictivePolicy(Policy):
             if p_eff == cur_p and d_eff == n - cur_p and surplus == 0.0:
                 ratio = 1.0  # the forecast's own split: no deviation from it
                 continue
-            _, pace_now = self._step(fc, h, cur_p, n - cur_p, planned, backlog, 0.0)
+            _, pace_now = self._step(fc, h, cur_p, n - cur_p, planned, queued, 0.0)
             ratio = min(max(pace_now / max(pace, 1e-9), 0.1), 10.0)
         return lost
 
-    def _step(self, fc: Forecast, h: int, p: int, d: int, seqs: float, backlog: float,
+    def _step(self, fc: Forecast, h: int, p: float, d: float, seqs: float, backlog: float,
               more_recompute: float) -> tuple[float, float]:  # fmt: skip
         """(trajectory-seconds lost, decode pace relative to a lone sequence) in horizon step
         `h` with `p` prefill and `d` decode workers serving `seqs` decoding sequences."""
