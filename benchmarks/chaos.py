@@ -39,7 +39,7 @@ from prorsa.local.redis_server import RedisServer
 from prorsa.local.registry import Registry
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.policy.allocate import Role
-from prorsa.policy.lifecycle import EventType
+from prorsa.policy.events import EventType
 from prorsa.sim.workload import generate, load_workload
 
 KEYS = ClusterKeys("chaos", "soak")

@@ -31,7 +31,7 @@ from prorsa.local.processes import Child, free_port
 from prorsa.local.redis_server import RedisServer
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.policy.allocate import Role
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 
 BODY = {"model": SERVED_MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}
 

@@ -24,7 +24,7 @@ from prorsa.local.cluster import LocalCluster
 from prorsa.local.registry import Registry
 from prorsa.local.stack import LocalStack
 from prorsa.policy.allocate import Role
-from prorsa.policy.lifecycle import EventType
+from prorsa.policy.events import EventType
 
 
 def prompts(n: int, seed: int = 7) -> list[list[int]]:

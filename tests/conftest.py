@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from prorsa.local.redis_server import RedisServer
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 
 
 def turn(

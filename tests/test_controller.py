@@ -20,7 +20,7 @@ from prorsa.local.cluster import LocalCluster
 from prorsa.local.redis_server import RedisServer
 from prorsa.policy.allocate import AllocationSettings, Role
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 
 KEYS = ClusterKeys("t", "ctl")
 CAPACITY = RoleCapacity(20_000.0, 0.02, 0.0005, 1e-7, 500_000.0)

@@ -16,7 +16,7 @@ from prorsa.events.keys import ClusterKeys
 from prorsa.events.schema import EventError, decode, encode
 from prorsa.events.stream import EventWriter
 from prorsa.local.redis_server import RedisServer
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 
 KEYS = ClusterKeys("ns", "demo")
 

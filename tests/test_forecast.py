@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import turn
+from prorsa.policy.events import Event, EventType
 from prorsa.policy.forecast import (
     EwmaForecaster,
     Forecast,
@@ -13,7 +14,7 @@ from prorsa.policy.forecast import (
     LifecycleForecaster,
     make_forecaster,
 )
-from prorsa.policy.lifecycle import Event, EventType, LifecycleTable
+from prorsa.policy.lifecycle import LifecycleTable
 
 H = Horizon(step_s=5.0, steps=12)
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import turn
+from prorsa.policy.events import Event, EventType, State
 from prorsa.policy.learned import turn_bin
-from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
+from prorsa.policy.lifecycle import LifecycleTable
 
 
 def start(traj: str, ts: float, group: str | None = None) -> Event:

@@ -708,7 +708,7 @@ def test_lifecycle_events_in_redis_make_the_predictive_daemon_relabel_workers(
 
     from prorsa.events.keys import ClusterKeys
     from prorsa.events.schema import encode
-    from prorsa.policy.lifecycle import Event, EventType
+    from prorsa.policy.events import Event, EventType
 
     async def main() -> None:
         async with kmock_api() as api, routers_reporting(redis_url, "pred", {}):

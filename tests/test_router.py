@@ -18,7 +18,7 @@ from prorsa.events.keys import ClusterKeys
 from prorsa.events.schema import decode
 from prorsa.local.processes import free_port
 from prorsa.policy.allocate import Role
-from prorsa.policy.lifecycle import EventType
+from prorsa.policy.events import EventType
 from prorsa.router.app import Router, RouterConfig
 from prorsa.router.discovery import Endpoint, StaticDiscovery, parse_static
 from prorsa.router.placement import Placement, TurnFacts

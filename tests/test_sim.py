@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from prorsa.policy.allocate import AllocationSettings, Role, make_policy
-from prorsa.policy.lifecycle import EventType
+from prorsa.policy.events import EventType
 from prorsa.sim.compare import compare, run_policy
 from prorsa.sim.config import SimConfig
 from prorsa.sim.engine import Simulator
@@ -170,20 +170,20 @@ def test_colocated_workers_shed_trajectories_like_the_router_does() -> None:
     sim = _sim("swe", "colocated", gpus=4, n=48)
     crowded, others = sim.workers[0], sim.workers[1:]
     for tr in sim.trajs[:20]:
-        sim._set_home(tr, crowded)
+        sim.router.set_home(tr, crowded)
     tr = sim.trajs[0]
     # a later turn whose context the crowded worker no longer holds: the new home recomputes
-    w, local, _ = sim._place_prefill(tr, 3000, 200)
+    w, local, _ = sim.router.place_prefill(tr, 3000, 200)
     assert w in others and local and sim.workers[tr.decode_home] is w
     # one it still holds: the crowded worker prefills it and the new home pulls the KV
     moved = sim.trajs[1]
     crowded.cache[moved.idx] = 2800
-    w, local, _ = sim._place_prefill(moved, 3000, 200)
+    w, local, _ = sim.router.place_prefill(moved, 3000, 200)
     assert w is crowded and not local and sim.workers[moved.decode_home] in others
     # a worker hosting its fair share keeps its trajectories
     calm = sim.trajs[30]
-    sim._set_home(calm, others[0])
-    w, local, _ = sim._place_prefill(calm, 3000, 200)
+    sim.router.set_home(calm, others[0])
+    w, local, _ = sim.router.place_prefill(calm, 3000, 200)
     assert w is others[0] and local
 
 
@@ -195,7 +195,7 @@ def test_a_colocated_cluster_is_a_decode_pool_without_a_prefill_pool() -> None:
     decode_only.policy.settings = replace(decode_only.settings, static_prefill=0)
     for w in decode_only.workers:
         w.role = Role.DECODE
-    decode_only._pools_dirty = True
+    decode_only.router.invalidate()
     result = decode_only.run()
     assert result.switches == 0
     assert result.makespan_s == colocated.makespan_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 
 SCHEMA_VERSION = "1"
 

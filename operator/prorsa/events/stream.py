@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from prorsa.events.schema import EventError, decode, encode
-from prorsa.policy.lifecycle import Event
+from prorsa.policy.events import Event
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.plot import plot_run
 from prorsa.policy.allocate import AllocationSettings, Decision, Role, make_policy
 from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.events import State
 from prorsa.policy.forecast import Forecast
-from prorsa.policy.lifecycle import State
 from prorsa.sim.config import TimelinePoint, timeline_row
 from prorsa.sim.presets import PRESET_PRIOR_REL_SD, prior_capacity
 from prorsa.sim.workload import generate, load_workload

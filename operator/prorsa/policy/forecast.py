@@ -15,7 +15,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from prorsa.policy.lifecycle import LifecycleTable, State
+from prorsa.policy.events import State
+from prorsa.policy.lifecycle import LifecycleTable
 from prorsa.policy.stats import LogHistogram
 
 RolloutMode = Literal["sync", "async"]

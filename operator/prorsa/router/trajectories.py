@@ -17,7 +17,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from prorsa.events.stream import EventWriter
-from prorsa.policy.lifecycle import Event, EventType
+from prorsa.policy.events import Event, EventType
 from prorsa.router.placement import Plan, TurnFacts
 from prorsa.router.requests import Turn
 from prorsa.router.tokens import TokenCounter

@@ -1,14 +1,16 @@
 """Discrete-event simulator of one rollout cluster under one allocation policy.
 
 The simulated cluster is the real system in miniature: a router that places each turn's
-prefill (least uncached-token work, prefix-cache aware) and decode (sticky per trajectory),
-workers whose speed comes from `CostModel`, KV transfers between them, tool calls, and a
-controller that every `interval_s` feeds the lifecycle events the router would have written to
-the very same `LifecycleTable`, forecaster and `Policy` objects the operator runs.
+prefill (least uncached-token work, prefix-cache aware) and decode (sticky per trajectory;
+`routing.SimRouter`), workers whose speed comes from `CostModel`, KV transfers between them,
+tool calls, and a controller that every `interval_s` feeds the lifecycle events the router
+would have written to the very same `LifecycleTable`, forecaster and `Policy` objects the
+operator runs.
 
 Workers advance as fluids between events: a decode batch shares one step time, so each worker
 keeps a single "tokens generated per sequence" counter and a heap of finish targets, which
-makes a batch change O(log batch) instead of O(batch).
+makes a batch change O(log batch) instead of O(batch). What a finished run reports is
+`results.summarize`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prorsa.policy.allocate import (
     WorkerView,
     make_policy,
 )
+from prorsa.policy.events import Event, EventType, State
 from prorsa.policy.forecast import (
     Forecast,
     Forecaster,
@@ -34,17 +37,17 @@ from prorsa.policy.forecast import (
     make_forecaster,
 )
 from prorsa.policy.learn import CapacityEstimator
-from prorsa.policy.lifecycle import Event, EventType, LifecycleTable, State
-from prorsa.policy.placement import pool_worthy, sheds_load, stays_local
+from prorsa.policy.lifecycle import LifecycleTable
 from prorsa.sim.config import (
     SimConfig,
     SimResult,
     SimulationTooLong,
     TimelinePoint,
-    p50_p99,
 )
 from prorsa.sim.costmodel import Cost
+from prorsa.sim.results import summarize
 from prorsa.sim.roles import RoleCosts, role_costs
+from prorsa.sim.routing import SimRouter
 from prorsa.sim.state import PrefillJob, SimWorker, TrajRun
 from prorsa.sim.workload import TrajectoryScript
 
@@ -78,6 +81,7 @@ class Simulator:
             SimWorker(i, r, self.costs.of(r).kv_capacity_tokens) for i, r in enumerate(roles)
         ]
         self._by_id = {w.id: w for w in self.workers}
+        self.router = SimRouter(self.workers, self.costs, self.cfg)
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -105,9 +109,6 @@ class Simulator:
         self.completions: list[float] = []
         self.ttfts: list[float] = []  # per turn: submission to first decode step
         self.itls: list[float] = []  # per turn: decode seconds per output token
-        self._pools_dirty = True
-        self._prefill_pool: list[SimWorker] = []
-        self._decode_pool: list[SimWorker] = []
         self.last_decision: Decision | None = None
         self.event_log: list[Event] | None = None  # set to a list to keep every event
 
@@ -171,13 +172,13 @@ class Simulator:
                 self._enqueue_prefill(worker, job)
             elif kind == _SWITCH_DONE:
                 payload.restarting = False
-                self._pools_dirty = True
+                self.router.invalidate()
                 self._drain_pending_everywhere()
                 self._reschedule(payload)
         for w in self.workers:
             self._advance(w)
             w.role_s[w.role] += self.now - w.role_since
-        return self._result(time.perf_counter() - wall0)
+        return summarize(self, time.perf_counter() - wall0)
 
     # ---- trajectories -----------------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class Simulator:
     def _submit_turn(self, tr: TrajRun) -> None:
         turn = tr.script.turns[tr.turn]
         prompt = tr.context + turn.new_tokens
-        w, local, worthy = self._place_prefill(tr, prompt, turn.new_tokens)
+        w, local, worthy = self.router.place_prefill(tr, prompt, turn.new_tokens)
         cached = min(w.cached(tr.idx), prompt - 1)
         pull = self._prefix_to_pull(tr, w, local, prompt)
         cached += pull
@@ -260,7 +261,7 @@ class Simulator:
         tr.turn += 1
         if tr.turn >= len(tr.script.turns):
             tr.ended_at = self.now
-            self._set_home(tr, None)
+            self.router.set_home(tr, None)
             self.done += 1
             self.completions.append(self.now)
             self._emit(EventType.TRAJ_END, tr, reason="done")
@@ -274,108 +275,6 @@ class Simulator:
             self._emit(EventType.TOOL_START, tr)
         tr.tool_until = self.now + turn.tool_s
         self._push(tr.tool_until, _TOOL_DONE, tr)
-
-    # ---- placement (what the router does) ---------------------------------------------------
-
-    def _pools(self) -> None:
-        if self._pools_dirty:
-            self._prefill_pool = [w for w in self.workers if w.accepts(Role.PREFILL)]
-            self._decode_pool = [w for w in self.workers if w.accepts(Role.DECODE)]
-            self._pools_dirty = False
-
-    def _place_prefill(
-        self, tr: TrajRun, prompt: int, new_tokens: int
-    ) -> tuple[SimWorker, bool, bool]:
-        """Where this turn's prefill runs: (worker, local, pool_worthy).
-
-        The shared rules of `prorsa.policy.placement`, as the router applies them to any
-        worker that decodes (mixed ones included): the trajectory's home worker unless it hosts
-        far more than its share; a pool prefill goes to the prefill worker with the least
-        queued work, or to the one that prefilled this trajectory before if its cached prefix
-        makes it cheaper (prefix affinity). Colocated clusters have no pool: all local.
-        """
-        rules = self.cfg.placement
-        self._pools()
-        home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
-        if home is not None and home.accepts(Role.DECODE):
-            moved = self._rebalance(tr, home)
-            if moved is not None:
-                # The old home holds the prefix: it prefills the turn (kv_both) and the new
-                # home pulls the whole context over NIXL.
-                if (
-                    self.cost.switch_mode == "routing"
-                    and home.cached(tr.idx) >= prompt - new_tokens
-                ):
-                    return home, False, False
-                home = moved
-        holds = (
-            home is not None
-            and home.accepts(Role.DECODE)
-            and home.cached(tr.idx) >= prompt - new_tokens
-        )
-        worthy = pool_worthy(rules, holds, new_tokens)
-        local = home if home is not None and home.accepts(Role.DECODE) else None
-        pool = [w for w in self._prefill_pool if w.role == Role.PREFILL]
-        if not pool or not worthy:
-            return local or self._place_decode(tr), True, worthy
-        cost = self.costs.prefill.prefill_s
-
-        def remote_s(w: SimWorker) -> float:
-            c = w.cached(tr.idx)
-            if self.cfg.prefix_pull and home is not None:
-                c = max(c, home.cached(tr.idx))
-            return w.queue_s + cost(prompt - c, c)
-
-        shortest = best = min(pool, key=lambda w: w.queue_s)
-        if tr.prefill_home >= 0:
-            ph = self.workers[tr.prefill_home]
-            if (
-                ph.role == Role.PREFILL
-                and ph.accepts(Role.PREFILL)
-                and remote_s(ph) <= remote_s(best)
-            ):
-                best = ph
-        compute = prompt - best.cached(tr.idx)
-        if self.cfg.prefix_pull and holds:
-            compute = new_tokens
-        if stays_local(rules, holds, new_tokens, shortest.queue_s, compute):
-            return local or self._place_decode(tr), True, worthy
-        tr.prefill_home = best.idx
-        return best, False, worthy
-
-    def _place_decode(self, tr: TrajRun) -> SimWorker:
-        self._pools()
-        if tr.decode_home >= 0:
-            home = self.workers[tr.decode_home]
-            if home.accepts(Role.DECODE):
-                return home
-        pool = self._decode_pool or [w for w in self.workers if not w.restarting]
-        w = min(pool, key=lambda w: w.homed)  # balance the trajectories each worker hosts
-        self._set_home(tr, w)
-        return w
-
-    def _rebalance(self, tr: TrajRun, home: SimWorker) -> SimWorker | None:
-        """Move a trajectory to the least-loaded decode worker when its home should shed load
-        (`sheds_load`: after role switches, sticky placement alone would leave new decode
-        workers idle)."""
-        pool = self._decode_pool
-        if len(pool) < 2:
-            return None
-        avg = sum(w.homed for w in pool) / len(pool)
-        target = min(pool, key=lambda w: w.homed)
-        if not sheds_load(self.cfg.placement, home.homed, avg, target.homed):
-            return None
-        if target.homed >= avg:
-            return None
-        self._set_home(tr, target)
-        return target
-
-    def _set_home(self, tr: TrajRun, w: SimWorker | None) -> None:
-        if tr.decode_home >= 0:
-            self.workers[tr.decode_home].homed -= 1
-        tr.decode_home = -1 if w is None else w.idx
-        if w is not None:
-            w.homed += 1
 
     # ---- worker dynamics ------------------------------------------------------------------
 
@@ -458,7 +357,7 @@ class Simulator:
         if job.local:
             self._decode_join(w, tr)
             return
-        d = self._place_decode(tr)
+        d = self.router.place_decode(tr)
         transfer = tr.context - min(d.cached(tr.idx), tr.context)
         d.incoming += 1
         self._push(self.now + self.cost.kv_transfer_s(transfer), _KV_DONE, (tr, d))
@@ -534,7 +433,7 @@ class Simulator:
             w.draining = True
             w.target_role = sw.to_role
             self.switches += 1
-            self._pools_dirty = True
+            self.router.invalidate()
             self._check_drained(w)
 
     def _check_drained(self, w: SimWorker) -> None:
@@ -557,7 +456,7 @@ class Simulator:
         w.kv_capacity = self.costs.of(w.role).kv_capacity_tokens
         w.draining = False
         w.target_role = None
-        self._pools_dirty = True
+        self.router.invalidate()
         if restart > 0:
             w.restarting = True
             w.cache.clear()
@@ -662,57 +561,3 @@ class Simulator:
             if w.count and w.kv_running < -1e-6:
                 bad.append(f"{w.id}: negative KV")
         return bad
-
-    # ---- results ----------------------------------------------------------------------------
-
-    def _result(self, wall_s: float) -> SimResult:
-        ended = [tr for tr in self.trajs if tr.ended_at >= 0]
-        durations = sorted(tr.ended_at - tr.started_at for tr in ended)
-        makespan = max((tr.ended_at for tr in ended), default=0.0)
-        if self.cfg.mode == "sync":
-            throughput = 60.0 * len(ended) / makespan if makespan > 0 else 0.0
-        else:
-            # steady state: from the first wave's completion to the last admission
-            conc = self.cfg.concurrency
-            comps = self.completions
-            t0 = comps[min(conc, len(comps)) - 1] if comps and len(comps) > conc else 0.0
-            t1 = self.admission_closed_at
-            inside = sum(1 for c in comps if t0 < c <= t1)
-            if t1 > t0 and inside > 0:
-                throughput = 60.0 * inside / (t1 - t0)
-            else:
-                throughput = 60.0 * len(ended) / makespan if makespan > 0 else 0.0
-
-        def pct(q: float) -> float:
-            if not durations:
-                return 0.0
-            return durations[min(len(durations) - 1, int(q * len(durations)))]
-
-        def util(roles: tuple[Role, ...]) -> float:
-            busy = sum(w.busy_s[r] for w in self.workers for r in roles)
-            total = sum(w.role_s[r] for w in self.workers for r in roles)
-            return busy / total if total else 0.0
-
-        return SimResult(
-            policy=self.policy.name,
-            mode=self.cfg.mode,
-            makespan_s=makespan,
-            throughput_traj_per_min=throughput,
-            p50_completion_s=pct(0.5),
-            p99_completion_s=pct(0.99),
-            prefill_util=util((Role.PREFILL, Role.MIXED)),
-            decode_util=util((Role.DECODE, Role.MIXED)),
-            switches=self.switches,
-            trajectories=len(ended),
-            turns=self.turns_done,
-            output_tokens=self.output_tokens,
-            prefill_tokens_computed=self.prefill_computed,
-            decisions=self.decisions,
-            forecast_mape={n: s.mape() for n, s in self.scorers.items()},
-            timeline=self.timeline,
-            wall_s=wall_s,
-            label=self.policy.name,
-            ttft_s=p50_p99(self.ttfts),
-            itl_s=p50_p99(self.itls),
-            completions_s=durations,
-        )
