@@ -1,8 +1,9 @@
-"""An engine spanning two "nodes" on real vLLM, as a LeaderWorkerSet group runs it: two
-`prorsa worker` agents, the first serving the API (data-parallel rank 0), the second running
-rank 1 headless. The first reads its role from a downward-API labels file, as in a pod; a
-relabel restarts both nodes with the other role's arguments, and the second only follows the
-first's agent."""
+"""A worker spanning two "nodes" on real vLLM, as a LeaderWorkerSet group runs it: two
+`prorsa worker` agents. Where a role's engine spans both, the first serves the API
+(data-parallel rank 0) and the second runs rank 1 headless; where the role's engines fit one
+node, each node runs and serves its own. The first reads its role from a downward-API labels
+file, as in a pod; a relabel restarts both nodes with the other role's arguments, and the
+second only follows the first's agent."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Group:
     leader: Child
     follower: Child
     labels: Path
+    follower_url: str = ""
 
     def relabel(self, role: Role) -> None:
         """What the kubelet does when the operator relabels the leader pod."""
@@ -45,18 +47,16 @@ class Group:
         tmp.replace(self.labels)
 
 
-@pytest.fixture(scope="module")
-def group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
-    d = workdir / "multinode"
+def _start_group(d: Path, tiny_model: Path, role_args: dict[str, list[str]]) -> Group:
     d.mkdir(parents=True, exist_ok=True)
     labels = d / "labels"
     labels.write_text('prorsa.io/role="prefill"\n')
-    port, agent_port, rpc = free_port(), free_port(), free_port()
+    port, agent_port, rpc, port1 = free_port(), free_port(), free_port(), free_port()
     common = [
         "--model", str(tiny_model), "--host", "127.0.0.1", "--served-model-name", SERVED_MODEL,
         "--role", "prefill", "--connector", "none", "--switch-mode", "restart",
         "--kv-cache-gib", "1", "--group-leader", "127.0.0.1", "--drain-timeout", "30",
-        "--role-args", json.dumps(ROLE_ARGS),
+        "--role-args", json.dumps(role_args),
     ]  # fmt: skip
     engine = ["--", "--max-model-len", "1024", "--data-parallel-rpc-port", str(rpc)]
     leader = Child("node-0", [
@@ -65,16 +65,23 @@ def group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
         "--log-file", str(d / "node-0.engine.log"), *engine,
     ], d / "node-0.agent.log").start()  # fmt: skip
     follower = Child("node-1", [
-        *_prorsa(), "worker", *common, "--name", "group-0-1", "--port", str(free_port()),
+        *_prorsa(), "worker", *common, "--name", "group-0-1", "--port", str(port1),
         "--node-rank", "1", "--probe-port", str(free_port()),
         "--leader-probe-port", str(agent_port), "--cpu-cores", "1",
         "--log-file", str(d / "node-1.engine.log"), *engine,
     ], d / "node-1.agent.log").start()  # fmt: skip
+    return Group(f"http://127.0.0.1:{port}", leader, follower, labels,
+                 f"http://127.0.0.1:{port1}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
+    g = _start_group(workdir / "multinode", tiny_model, ROLE_ARGS)
     try:
-        yield Group(f"http://127.0.0.1:{port}", leader, follower, labels)
+        yield g
     finally:
-        follower.stop()
-        leader.stop()
+        g.follower.stop()
+        g.leader.stop()
 
 
 def _ranks_with(g: Group, blocks: str) -> int:
@@ -88,13 +95,15 @@ def _ranks_with(g: Group, blocks: str) -> int:
     )
 
 
-async def _serving(http: aiohttp.ClientSession, g: Group, timeout_s: float = 600) -> None:
+async def _serving(
+    http: aiohttp.ClientSession, g: Group, timeout_s: float = 600, url: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for child in (g.leader, g.follower):
             assert child.alive, f"{child.name} exited:\n{child.tail()}"
         try:
-            async with http.get(g.url + "/health") as r:
+            async with http.get((url or g.url) + "/health") as r:
                 if r.status == 200:
                     return
         except aiohttp.ClientError:
@@ -128,5 +137,59 @@ def test_a_multi_node_engine_switches_roles_on_every_node(group: Group) -> None:
                 assert set(per_rank) == {"0", "1"} and min(per_rank.values()) > 0, per_rank
         for child in (group.leader, group.follower):
             assert "role prefill -> decode (restarting vLLM)" in child.log_path.read_text()
+
+    asyncio.run(main())
+
+
+# A worker whose prefill engines fit one node (two engines, one per node, each with its own
+# API) and whose decode engine spans both (data parallel 2, one rank per node).
+SPLIT_ARGS = {
+    Role.PREFILL.value: ["--num-gpu-blocks-override", BLOCKS[Role.PREFILL]],
+    Role.DECODE.value: ROLE_ARGS[Role.DECODE.value],
+}
+
+
+@pytest.fixture(scope="module")
+def split_group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
+    g = _start_group(workdir / "multiengine", tiny_model, SPLIT_ARGS)
+    try:
+        yield g
+    finally:
+        g.follower.stop()
+        g.leader.stop()
+
+
+def test_a_worker_runs_one_engine_per_node_in_one_role_and_one_over_both_in_the_other(
+    split_group: Group,
+) -> None:
+    g = split_group
+
+    async def served(http: aiohttp.ClientSession, url: str, tag: str) -> None:
+        done = await asyncio.gather(*(complete(http, url, f"{tag} {i}", 8) for i in range(4)))
+        assert all(c.status == 200 and len(c.token_ids) == 8 for c in done), done
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            for step, role in enumerate((Role.PREFILL, Role.DECODE, Role.PREFILL)):
+                if step:
+                    g.relabel(role)
+                    await asyncio.sleep(3.0)  # the agents poll their role every second
+                await _serving(http, g)
+                if role is Role.PREFILL:  # two engines, each serving on its own node
+                    await _serving(http, g, url=g.follower_url)
+                    for url in (g.url, g.follower_url):
+                        await served(http, url, f"engine {url} {step}")
+                        assert set(await _generated(http, url)) == {"0"}  # one rank each
+                else:  # one engine over both nodes: the second has no API of its own
+                    await served(http, g.url, f"group {step}")
+                    per_rank = await _generated(http, g.url)
+                    assert set(per_rank) == {"0", "1"} and min(per_rank.values()) > 0
+                    with pytest.raises(aiohttp.ClientError):
+                        async with http.get(g.follower_url + "/health") as r:
+                            r.raise_for_status()
+        for child in (g.leader, g.follower):
+            text = child.log_path.read_text()
+            assert "role prefill -> decode (restarting vLLM)" in text
+            assert "role decode -> prefill (restarting vLLM)" in text
 
     asyncio.run(main())

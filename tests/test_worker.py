@@ -210,10 +210,44 @@ def test_an_engine_spanning_nodes_meets_at_its_first_node() -> None:
     third, _ = command(node(1), Role.DECODE)  # TP8 x DP2: one rank per node
     assert third[third.index("--data-parallel-start-rank") + 1] == "1"
     assert restart_needed(node(1), Role.PREFILL, Role.DECODE)  # every node restarts
-    with pytest.raises(ValueError, match="does not span nodes"):
-        command(node(1), Role.MIXED)  # a role without multi-node ranks: nothing to run here
     with pytest.raises(ValueError, match="group leader"):
         EngineSpec("m", node_rank=1)
+
+
+def test_a_role_with_engines_smaller_than_the_worker_runs_one_per_node_group() -> None:
+    """A worker of four nodes whose prefill engines span two (DP16 over 2 x 8 GPUs) runs two
+    prefill engines: nodes 0 and 2 serve an API each, nodes 1 and 3 run their ranks headless
+    at their own engine's first node (named as a LeaderWorkerSet names its pods). In decode,
+    one engine spans all four; in mixed, each node runs an engine of its own."""
+    from prorsa.worker.engine import EngineLayout, headless, node_address
+
+    roles = {
+        Role.PREFILL: tuple(EngineLayout(gpus=16, data=16, expert=True, nodes=2).vllm_args()),
+        Role.DECODE: tuple(EngineLayout(gpus=32, data=32, expert=True, nodes=4).vllm_args()),
+        Role.MIXED: tuple(EngineLayout(gpus=8, data=8, expert=True).vllm_args()),
+    }
+
+    def node(rank: int, leader: str = "w-0.w.team") -> EngineSpec:
+        return EngineSpec("m", role_args=roles, node_rank=rank, group_leader=leader,
+                          switch_mode=SwitchMode.RESTART)  # fmt: skip
+
+    def arg(argv: list[str], flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    prefill = [command(node(r), Role.PREFILL)[0] for r in range(4)]
+    assert [arg(a, "--data-parallel-address") for a in prefill] == [
+        "w-0.w.team", "w-0.w.team", "w-0-2.w.team", "w-0-2.w.team"]  # fmt: skip
+    assert [headless(node(r), Role.PREFILL) for r in range(4)] == [False, True, False, True]
+    assert [arg(a, "--data-parallel-start-rank") for a in prefill] == [None, "8", None, "8"]
+    decode = [command(node(r), Role.DECODE)[0] for r in range(4)]
+    assert {arg(a, "--data-parallel-address") for a in decode} == {"w-0.w.team"}
+    assert [arg(a, "--data-parallel-start-rank") for a in decode] == [None, "8", "16", "24"]
+    assert [headless(node(r), Role.DECODE) for r in range(4)] == [False, True, True, True]
+    mixed = [command(node(r), Role.MIXED)[0] for r in range(4)]  # an engine per node
+    assert not any("--data-parallel-address" in a or "--headless" in a for a in mixed)
+    assert node_address("w-3.w.team.svc", 5) == "w-3-5.w.team.svc"
+    with pytest.raises(ValueError, match="DNS name"):  # node 2 heads an engine: where is it?
+        command(node(2, leader="10.0.0.7"), Role.PREFILL)
 
 
 def test_the_other_nodes_follow_the_first_nodes_agent() -> None:

@@ -25,7 +25,14 @@ from redis.exceptions import RedisError
 
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
-from prorsa.worker.engine import EngineSpec, command, kv_role, parse_cores, restart_needed
+from prorsa.worker.engine import (
+    EngineSpec,
+    command,
+    headless,
+    kv_role,
+    parse_cores,
+    restart_needed,
+)
 from prorsa.worker.roles import RoleSource
 
 log = logging.getLogger(__name__)
@@ -117,9 +124,12 @@ class Agent:
         self.stopping = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
-        # A node other than the first of a multi-node engine: ranks without an API (the first
-        # node serves, drains and holds the role; this one follows it)
-        self.headless = config.spec.node_rank > 0
+
+    @property
+    def headless(self) -> bool:
+        """Ranks without an API of their own in the current role (their engine's first node
+        serves and drains it); a node that heads an engine in one role may not in another."""
+        return headless(self.cfg.spec, self.role)
 
     # ---- readiness --------------------------------------------------------------------------
 

@@ -90,9 +90,10 @@ class EngineSpec:
     # Arguments only one role's engine gets, after `extra_args` (vLLM takes the last value of
     # a flag given twice): stage-specific parallelism and batch limits.
     role_args: Mapping[Role, tuple[str, ...]] = field(default_factory=dict)
-    # An engine spanning nodes (one pod each): this pod's node in it, and the address of its
-    # first node, which serves the API and coordinates the data-parallel ranks of the others
-    # (those run headless).
+    # A worker spanning nodes (one pod each): this pod's node in it, and the address of its
+    # first node. Where a role's engine spans nodes, its first node serves the API and
+    # coordinates the data-parallel ranks of the others (those run headless); where the role's
+    # engines are smaller than the worker, each node group runs one of them.
     node_rank: int = 0
     group_leader: str | None = None
     dp_rpc_port: int = 13345
@@ -179,23 +180,50 @@ def _flag(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def _group_args(spec: EngineSpec, role: Role, argv: list[str]) -> list[str]:
-    """Where the role's engine spans nodes (its arguments give ranks per node): every node
-    meets at the first node's address; the others run their ranks headless, from their own
-    start rank."""
+def engine_nodes(argv: list[str]) -> int:
+    """Nodes one engine spans, from its arguments: data-parallel ranks over ranks per node."""
     local = _flag(argv, LOCAL_RANKS_FLAG)
-    if spec.node_rank > 0 and local is None:
+    if local is None:
+        return 1
+    return max(1, int(_flag(argv, "--data-parallel-size") or 1) // max(int(local), 1))
+
+
+def node_address(leader: str, node: int) -> str:
+    """The address of a group's `node` from its first node's: a LeaderWorkerSet names the
+    first pod `<set>-<group>` and the others `<set>-<group>-<node>`, under one subdomain."""
+    if node == 0:
+        return leader
+    host, dot, domain = leader.partition(".")
+    if not dot or host.replace("-", "").isdigit() or leader.replace(".", "").isdigit():
         raise ValueError(
-            f"the {role.value} engine does not span nodes ({LOCAL_RANKS_FLAG} is not in its "
-            f"arguments): node {spec.node_rank} would have no ranks"
+            f"node {node} heads an engine of its own, but its address cannot be derived from "
+            f"the group leader's {leader!r}: give the leader's DNS name "
+            "(a LeaderWorkerSet's $(LWS_LEADER_ADDRESS)), not an IP address"
         )
-    if spec.group_leader is None or local is None:
-        return []
-    out = ["--data-parallel-address", spec.group_leader,
+    return f"{host}-{node}.{domain}"
+
+
+def _group_args(spec: EngineSpec, role: Role, argv: list[str]) -> list[str]:
+    """A worker's nodes in `role`: engines of `engine_nodes` nodes each, side by side (one per
+    node, or one over all of them). The first node of each engine serves its API and
+    coordinates its data-parallel ranks; the engine's other nodes run theirs headless, from
+    their own start rank, meeting at its first node's address."""
+    nodes = engine_nodes(argv)
+    if spec.group_leader is None or nodes == 1:
+        return []  # an engine within one node: this node's own
+    local = int(_flag(argv, LOCAL_RANKS_FLAG) or 1)
+    in_engine = spec.node_rank % nodes
+    head = node_address(spec.group_leader, spec.node_rank - in_engine)
+    out = ["--data-parallel-address", head,
            "--data-parallel-rpc-port", str(spec.dp_rpc_port)]  # fmt: skip
-    if spec.node_rank > 0:
-        out += ["--headless", "--data-parallel-start-rank", str(spec.node_rank * int(local))]
+    if in_engine > 0:
+        out += ["--headless", "--data-parallel-start-rank", str(in_engine * local)]
     return out
+
+
+def headless(spec: EngineSpec, role: Role) -> bool:
+    """Whether this node runs ranks of an engine whose API another node serves (in `role`)."""
+    return "--headless" in command(spec, role)[0]
 
 
 def restart_needed(spec: EngineSpec, old: Role, new: Role) -> bool:
