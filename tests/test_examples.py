@@ -88,17 +88,27 @@ def test_the_expert_parallel_example_runs_stage_specific_engines() -> None:
     assert w.slot_gpus * w.replicas == 128 and w.staged
 
 
-def test_the_multi_node_example_is_one_engine_per_worker_that_the_operator_runs() -> None:
-    """Every role's engine spans the worker's four nodes (what this operator version routes),
-    with stage-specific arguments; the layout example with two prefill engines per worker
-    is the one it refuses."""
-    from prorsa.kube.handlers import _unsupported
-    from prorsa.policy.allocate import Role
+def test_the_multi_node_examples_build_the_engines_they_describe() -> None:
+    """deepseek-v3-multinode: every role's engine spans the worker's four nodes, with
+    stage-specific arguments. deepseek-v3-ep: a worker of eight nodes runs one decode engine
+    over all of them or two prefill engines of four, each an endpoint (the operator's pods
+    say so; the prefill arguments give four nodes per engine to every node's agent)."""
+    import json
 
-    spec = parse_spec(cluster("deepseek-v3-multinode.yaml")["spec"])
-    w = spec.workers
+    from prorsa.kube import builders as b
+    from prorsa.kube import labels as L
+    from prorsa.policy.allocate import Role
+    from prorsa.worker.engine import engine_nodes
+
+    w = parse_spec(cluster("deepseek-v3-multinode.yaml")["spec"]).workers
     assert w.multi_node and w.slot_gpus // w.gpusPerNode == 4 and w.staged
     for role in (Role.PREFILL, Role.DECODE):
         assert (w.layout(role).gpus, w.layout(role).data, w.layout(role).nodes) == (32, 32, 4)
-    assert _unsupported(spec) is None
-    assert _unsupported(parse_spec(cluster("deepseek-v3-ep.yaml")["spec"])) is not None
+    spec = parse_spec(cluster("deepseek-v3-ep.yaml")["spec"])
+    lws = b.worker_group("ds", "rl", b.owner_reference("ds", "u"), spec, 0, Role.PREFILL)
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert t["size"] == 8
+    ann = t["workerTemplate"]["metadata"]["annotations"]
+    assert json.loads(ann[L.ENGINE_NODES]) == {"prefill": 4}
+    assert engine_nodes(spec.workers.layout(Role.PREFILL).vllm_args()) == 4
+    assert engine_nodes(spec.workers.layout(Role.DECODE).vllm_args()) == 8

@@ -83,3 +83,72 @@ def test_switch_relabels_a_pod_and_a_new_controller_finishes_a_half_done_one(
                 await api.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_running_several_engines_is_drained_and_measured_across_them(
+    redis_url: str,
+) -> None:
+    """A worker of two nodes whose prefill engines fit one node runs two engines: the
+    controller sees one worker, waits for the requests of both before a switch completes and
+    reads both engines' metrics; as decode (one engine over both) only the first's."""
+    from aiohttp import web
+
+    spec = parse_spec({
+        "model": {"name": "m"}, "redis": {"url": "redis://r:6379/0"},
+        "workers": {"replicas": 1, "gpusPerWorker": 16, "dataParallelSize": 16,
+                    "prefill": {"gpusPerWorker": 8}},
+        "kvTransfer": {"switchMode": "restart"},
+    })  # fmt: skip
+
+    async def engine(running: int) -> tuple[web.AppRunner, int]:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=f"vllm:num_requests_running{{engine=\"0\"}} {running}.0\n"
+                                     'vllm:num_requests_waiting{engine="0"} 1.0\n')  # fmt: skip
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def main() -> None:
+        (r0, p0), (r1, p1) = await engine(2), await engine(3)
+        async with KubernetesEmulator() as k8s, Server(k8s):
+            api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
+            await _setup(k8s, api)
+            for i in range(2):  # only the group below
+                await api.delete("v1", "Pod", "team", f"rl-worker-{i}")
+            lws = b.worker_group("rl", "team", b.owner_reference("rl", "u"), spec, 0,
+                                 Role.PREFILL)  # fmt: skip
+            t = lws["spec"]["leaderWorkerTemplate"]
+            for node, port in ((0, p0), (1, p1)):
+                part = t["leaderTemplate" if node == 0 else "workerTemplate"]
+                meta = {**part["metadata"], "name": f"rl-worker-0-0{'-1' * node}",
+                        "namespace": "team"}  # fmt: skip
+                meta["labels"] = {**meta["labels"], L.LWS_NODE: str(node)}
+                meta["annotations"] = {**meta["annotations"], L.PORT: str(port)}
+                await api.create({"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                                  "spec": part["spec"]})  # fmt: skip
+                await api.patch("v1", "Pod", "team", meta["name"], {"status": {
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+            async with Redis.from_url(redis_url) as redis:
+                cluster = KubeCluster(api, redis, KEYS)
+                cluster_workers = await cluster.workers()
+            assert [w.name for w in cluster_workers] == ["rl-worker-0-0"]
+            assert await cluster.engine_inflight("rl-worker-0-0") == (2 + 1) + (3 + 1)
+            text = await cluster.engine_metrics(cluster_workers[0])
+            assert text is not None and text.count("vllm:num_requests_running") == 2
+            await api.patch("v1", "Pod", "team", "rl-worker-0-0",
+                            {"metadata": {"labels": {L.ROLE: "decode"}}})  # fmt: skip
+            assert await cluster.engine_inflight("rl-worker-0-0") == 2 + 1
+            await r1.cleanup()  # an engine that does not answer: unknown, not idle
+            await api.patch("v1", "Pod", "team", "rl-worker-0-0",
+                            {"metadata": {"labels": {L.ROLE: "prefill"}}})  # fmt: skip
+            assert await cluster.engine_inflight("rl-worker-0-0") is None
+            await api.close()
+        await r0.cleanup()
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any
 
 import aiohttp
@@ -10,7 +11,7 @@ from kmock import KubernetesEmulator, Server
 
 from prorsa.events.keys import ClusterKeys
 from prorsa.kube import labels as L
-from prorsa.kube.discovery import PodDiscovery, pod_endpoint
+from prorsa.kube.discovery import PodDiscovery, pod_endpoint, pod_endpoints
 from prorsa.policy.allocate import Role
 from prorsa.router.discovery import Endpoint
 
@@ -78,3 +79,55 @@ def test_watch_follows_relabels_and_deletions() -> None:
     assert [(e.name, e.role) for e in relabelled] == [("w0", Role.DECODE), ("w1", Role.DECODE)]
     assert [e.name for e in deleted] == ["w0"]
     assert first[0].url == "http://10.0.0.1:8000"
+
+
+def _group_pods(role: Role, ready: tuple[bool, ...] = (True,) * 4) -> list[dict[str, Any]]:
+    """The pods the LeaderWorkerSet controller makes for the operator's group of a worker of
+    four nodes whose prefill engines span two: the templates' metadata, LWS's node labels."""
+    from prorsa.api.models import parse_spec
+    from prorsa.kube import builders as b
+
+    spec = parse_spec({
+        "model": {"name": "m"}, "redis": {"url": "redis://r:6379/0"},
+        "workers": {"replicas": 1, "gpusPerWorker": 32, "dataParallelSize": 32,
+                    "prefill": {"gpusPerWorker": 16}},
+        "kvTransfer": {"switchMode": "restart"},
+    })  # fmt: skip
+    lws = b.worker_group("demo", KEYS.namespace, b.owner_reference("demo", "u"), spec, 0, role)
+    t = lws["spec"]["leaderWorkerTemplate"]
+    out = []
+    for node in range(4):
+        meta = copy.deepcopy(t["leaderTemplate" if node == 0 else "workerTemplate"]["metadata"])
+        name = "demo-worker-0-0" if node == 0 else f"demo-worker-0-0-{node}"
+        meta.update(name=name, namespace=KEYS.namespace)
+        meta["labels"][L.LWS_NODE] = str(node)
+        status = {"podIP": f"10.0.1.{node}", "conditions": [
+            {"type": "Ready", "status": "True" if ready[node] else "False"}]}  # fmt: skip
+        out.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status})
+    return out
+
+
+def test_a_worker_running_several_engines_is_one_endpoint_per_engine() -> None:
+    """A multi-node worker whose prefill engines are half its width serves two endpoints in
+    prefill (its first node's and its third's, each an engine's first node), one in decode
+    (an engine over all four); both carry the worker's role and drain, and name the worker."""
+    prefill = pod_endpoints(_group_pods(Role.PREFILL))
+    assert [(e.name, e.url, e.owner) for e in prefill] == [
+        ("demo-worker-0-0", "http://10.0.1.0:8000", "demo-worker-0-0"),
+        ("demo-worker-0-0-2", "http://10.0.1.2:8000", "demo-worker-0-0"),
+    ]
+    assert all(e.role is Role.PREFILL and e.ready for e in prefill)
+    decode = pod_endpoints(_group_pods(Role.DECODE))
+    assert [e.name for e in decode] == ["demo-worker-0-0"]
+    # an engine whose first node is not ready is not ready; a draining worker drains them all
+    pods = _group_pods(Role.PREFILL, ready=(True, True, False, True))
+    pods[0]["metadata"]["annotations"].update({L.DRAINING: "true", L.TARGET_ROLE: "decode"})
+    eps = {e.name: e for e in pod_endpoints(pods)}
+    assert not eps["demo-worker-0-0-2"].ready and eps["demo-worker-0-0"].ready
+    assert all(e.draining and e.target_role is Role.DECODE for e in eps.values())
+    # a node not scheduled yet (no IP) serves nothing; a garbled annotation: one endpoint
+    pods[2]["status"].pop("podIP")
+    assert [e.name for e in pod_endpoints(pods)] == ["demo-worker-0-0"]
+    pods = _group_pods(Role.PREFILL)
+    pods[0]["metadata"]["annotations"][L.ENGINE_NODES] = "{not json"
+    assert [e.name for e in pod_endpoints(pods)] == ["demo-worker-0-0"]

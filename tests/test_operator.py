@@ -563,9 +563,10 @@ def test_workers_wider_than_a_node_are_leader_worker_sets(redis_url: str) -> Non
     asyncio.run(main())
 
 
-def test_several_engines_in_a_multi_node_worker_are_refused(redis_url: str) -> None:
-    """Prefill engines of 8 GPUs in a 16-GPU worker spanning two nodes would each need an
-    endpoint: refused with a condition naming the field, nothing created."""
+def test_a_multi_node_worker_with_narrower_engines_is_built_for_them(redis_url: str) -> None:
+    """Prefill engines of 8 GPUs in a 16-GPU worker spanning two nodes: one LeaderWorkerSet
+    per worker whose pods say each prefill engine spans one node (the router serves one
+    endpoint per engine), whose every node may serve an API, and whose status is the worker's."""
 
     async def main() -> None:
         async with kmock_api() as api:
@@ -574,18 +575,24 @@ def test_several_engines_in_a_multi_node_worker_are_refused(redis_url: str) -> N
                 "workers": {"replicas": 2, "gpusPerWorker": 16, "dataParallelSize": 16,
                             "prefill": {"gpusPerWorker": 8}},
                 "kvTransfer": {"switchMode": "restart"},
+                "allocation": {"initialPrefill": 1},
             }))  # fmt: skip
             async with running_operator():
 
-                async def refused() -> bool:
-                    st = await rcl_status(api, "split")
-                    return any(c["type"] == "Degraded" and c["reason"] == "Unsupported"
-                               and "workers.prefill.gpusPerWorker" in c["message"]
-                               for c in st.get("conditions") or [])  # fmt: skip
+                async def two() -> bool:
+                    return len(await groups(api, "split")) == 2
 
-                await until(refused, 20, "the Unsupported condition")
-                assert await groups(api, "split") == []
-                assert await worker_pods(api, "split") == []
+                await until(two, 20, "two groups")
+                made = await groups(api, "split")
+                for g in made:
+                    t = g["spec"]["leaderWorkerTemplate"]
+                    for part in ("leaderTemplate", "workerTemplate"):
+                        ann = t[part]["metadata"]["annotations"]
+                        assert json.loads(ann[L.ENGINE_NODES]) == {"prefill": 1}
+                        assert ann[L.PORT] == "8000"
+                st = await rcl_status(api, "split")
+                assert not any(c["type"] == "Degraded" and c["status"] == "True"
+                               for c in st.get("conditions") or [])  # fmt: skip
 
     asyncio.run(main())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -14,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
+from prorsa.events import inflight
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.schema import decode
 from prorsa.local.processes import free_port
@@ -382,3 +384,35 @@ def test_appends_are_recognised_and_homes_are_counted() -> None:
     assert not trajs.hosted
     trajs.end("t", "done")
     assert len(trajs) == 0
+
+
+def test_a_workers_engines_report_their_in_flight_requests_as_the_worker(redis_url: str) -> None:
+    """Two engines of one worker (endpoints naming it) and a worker of its own: the `workers`
+    hash gets one field per worker, the engines' counts summed, and the fields go when the
+    router stops."""
+
+    async def test(client: TestClient, router: Router) -> None:
+        router.pool.workers["w0"].decode_inflight = 2
+        router.pool.workers["w0-1"].decode_inflight = 3
+        router.pool.workers["w0-1"].prefill_inflight = 1
+        router.pool.workers["w1"].prefill_inflight = 4
+        async with Redis.from_url(redis_url) as r:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                counts = inflight.parse(await r.hgetall(KEYS.workers), time.time(), 5.0)
+                if counts.get("w0", inflight.Inflight()).total == 6:
+                    break
+                await asyncio.sleep(0.05)
+            assert {k: (v.prefill, v.decode) for k, v in counts.items()} == {
+                "w0": (1, 5), "w1": (4, 0)}  # fmt: skip
+
+    eps = [Endpoint("w0", "http://127.0.0.1:9", Role.DECODE),
+           Endpoint("w0-1", "http://127.0.0.1:10", Role.DECODE, worker="w0"),
+           Endpoint("w1", "http://127.0.0.1:11", Role.PREFILL)]  # fmt: skip
+    _with_router(test, eps, redis_url=redis_url)
+
+    async def after() -> dict[bytes, bytes]:
+        async with Redis.from_url(redis_url) as r:
+            return await r.hgetall(KEYS.workers)  # type: ignore[no-any-return]
+
+    assert asyncio.run(after()) == {}

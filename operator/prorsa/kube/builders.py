@@ -133,8 +133,10 @@ def worker_group(cluster: str, namespace: str, owner: dict[str, Any], spec: Roll
                  index: int, role: Role) -> dict[str, Any]:  # fmt: skip
     """A worker whose engines span nodes: a LeaderWorkerSet of one group, one pod per node.
 
-    The leader pod (`<name>-0`) is the worker the router, the controller and the role label
-    know; the other nodes run their data-parallel ranks headless and follow its role. The
+    The leader pod (`<name>-0`) is the worker the controller and the role label know; the
+    other nodes follow its role, running data-parallel ranks headless, or, in a role whose
+    engines are narrower than the worker (`prorsa.io/engine-nodes`), each engine's first node
+    serving that engine, an endpoint of the router's. The
     role is also recorded on the LeaderWorkerSet (`prorsa.io/role`, never in its template, so a
     switch rolls nothing out): a group the LeaderWorkerSet recreates starts with its template's
     role, and the operator relabels its leader to the recorded one.
@@ -150,17 +152,22 @@ def worker_group(cluster: str, namespace: str, owner: dict[str, Any], spec: Roll
                                   "periodSeconds": 5}  # fmt: skip
     meta = _meta(name, namespace, owner, L.WORKER_GROUP, cluster, **{L.ROLE: role.value})
     meta["labels"][L.WORKER_INDEX] = str(index)
+    annotations = {L.PORT: str(w.port)}
+    narrower = {r.value: w.layout(r).nodes for r in Role if w.layout(r).nodes < nodes}
+    if narrower:  # where a role's engines are narrower than the worker, each is an endpoint
+        annotations[L.ENGINE_NODES] = json.dumps(narrower, sort_keys=True)
     template = {
         "size": nodes,
         "restartPolicy": "RecreateGroupOnPodRestart",  # a lost node loses the engine
         "leaderTemplate": {
             "metadata": {"labels": _worker_labels(cluster, index, role),
-                         "annotations": {L.PORT: str(w.port)}},
+                         "annotations": dict(annotations)},
             "spec": _worker_pod_spec(spec, leader),
         },
         "workerTemplate": {
             "metadata": {"labels": {L.CLUSTER: cluster, L.COMPONENT: L.WORKER_NODE,
-                                    L.WORKER_INDEX: str(index)}},
+                                    L.WORKER_INDEX: str(index)},
+                         "annotations": dict(annotations)},
             "spec": _worker_pod_spec(spec, follower),
         },
     }  # fmt: skip

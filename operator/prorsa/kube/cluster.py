@@ -8,6 +8,7 @@ the routers' reports in Redis, cross-checked with each engine's own metrics.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from redis.asyncio import Redis
@@ -20,8 +21,9 @@ from prorsa.events.keys import ClusterKeys
 from prorsa.kube import labels as L
 from prorsa.kube.api import ApiError, Conflict, KubeApi
 from prorsa.kube.builders import LWS_API
-from prorsa.kube.discovery import pod_endpoint
+from prorsa.kube.discovery import pod_endpoint, pod_endpoints
 from prorsa.policy.allocate import Role
+from prorsa.router.discovery import Endpoint
 from prorsa.worker.agent import engine_metrics_text, engine_requests
 
 
@@ -30,16 +32,25 @@ class KubeCluster:
         self.api = api
         self.redis = redis
         self.keys = keys
+        self._engine_urls: dict[str, list[str]] = {}  # per worker, as of the last listing
 
     async def _pods(self) -> list[dict[str, Any]]:
+        """The workers' pods and the other nodes of multi-node ones (which may serve engines)."""
         try:
             return await self.api.list("v1", "Pod", self.keys.namespace,
-                                       L.worker_selector(self.keys.name))  # fmt: skip
+                                       L.engine_selector(self.keys.name))  # fmt: skip
         except (ApiError, OSError) as e:
             raise ClusterUnavailable(f"Kubernetes API: {e}") from e
 
+    async def _engines(self, worker: str) -> list[Endpoint]:
+        """The engines a worker runs: itself, or several where its role runs narrower ones."""
+        return [e for e in pod_endpoints(await self._pods()) if e.owner == worker]
+
     async def workers(self) -> list[WorkerStatus]:
         pods = await self._pods()
+        self._engine_urls = {}
+        for e in pod_endpoints(pods):
+            self._engine_urls.setdefault(e.owner, []).append(e.url)
         try:
             counts = await inflight.read(self.redis, self.keys.workers)
         except (RedisError, OSError) as e:
@@ -101,9 +112,17 @@ class KubeCluster:
             L.DRAINING: None, L.TARGET_ROLE: None}}}, record_group=True)  # fmt: skip
 
     async def engine_inflight(self, name: str) -> int | None:
-        pod = await self.api.get("v1", "Pod", self.keys.namespace, name)
-        ep = pod_endpoint(pod) if pod else None
-        return None if ep is None else await engine_requests(ep.url)
+        """Requests the worker's engines hold (None: one of them does not answer)."""
+        engines = await self._engines(name)
+        counts = await asyncio.gather(*(engine_requests(e.url) for e in engines))
+        if not engines or any(n is None for n in counts):
+            return None
+        return sum(n for n in counts if n is not None)
 
     async def engine_metrics(self, worker: WorkerStatus) -> str | None:
-        return await engine_metrics_text(worker.url, timeout_s=2.0) if worker.url else None
+        """The metrics of the worker's engines, one after another: their series are summed,
+        as a data-parallel engine's are."""
+        urls = self._engine_urls.get(worker.name) or ([worker.url] if worker.url else [])
+        texts = await asyncio.gather(*(engine_metrics_text(u, timeout_s=2.0) for u in urls))
+        answered = [t for t in texts if t]
+        return "\n".join(answered) if answered else None

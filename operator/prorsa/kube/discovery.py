@@ -1,8 +1,10 @@
 """Router discovery in Kubernetes: list and watch the cluster's worker pods.
 
-A pod is an endpoint when it has an IP and a role label; it is ready when its Ready condition
-is true and it is not being deleted. Role, draining and target role come from the label and
-annotations the controller writes, so a relabel reaches the router within one watch event.
+A worker pod is an endpoint when it has an IP and a role label; it is ready when its Ready
+condition is true and it is not being deleted. A multi-node worker whose role runs several
+engines adds one endpoint per engine, served by the engine's first node (`pod_endpoints`).
+Role, draining and target role come from the label and annotations the controller writes, so
+a relabel reaches the router within one watch event.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,7 @@ def pod_endpoint(pod: dict[str, Any]) -> Endpoint | None:
         return None
     if not ip:
         return None
-    ready = not meta.get("deletionTimestamp") and any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or ()
-    )
+    ready = not meta.get("deletionTimestamp") and _ready(status)
     try:
         target = Role(ann[L.TARGET_ROLE]) if ann.get(L.TARGET_ROLE) else None
     except ValueError:
@@ -57,6 +56,73 @@ def pod_endpoint(pod: dict[str, Any]) -> Endpoint | None:
         ready=bool(ready),
         draining=ann.get(L.DRAINING) == "true",
         target_role=target,
+    )
+
+
+def pod_endpoints(pods: Iterable[dict[str, Any]]) -> list[Endpoint]:
+    """Every engine of a cluster's worker pods, by name. A worker is one endpoint, unless it
+    spans nodes and its role runs engines narrower than it (`prorsa.io/engine-nodes`): then
+    each engine's first node serves one, with the worker's role and drain state."""
+    pods = list(pods)
+    nodes: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in pods:
+        labels = (p.get("metadata") or {}).get("labels") or {}
+        if labels.get(L.COMPONENT) == L.WORKER_NODE:
+            nodes[(labels.get(L.WORKER_INDEX, ""), labels.get(L.LWS_NODE, ""))] = p
+    out = []
+    for pod in pods:
+        ep = pod_endpoint(pod)
+        if ep is None:
+            continue
+        out.append(ep)
+        per = _engine_nodes(pod, ep.role)
+        if per is None:
+            continue
+        index = ((pod.get("metadata") or {}).get("labels") or {}).get(L.WORKER_INDEX, "")
+        heads = sorted(int(n) for (i, n) in nodes if i == index and n.isdigit())
+        for head in (n for n in heads if n > 0 and n % per == 0):
+            engine = _node_endpoint(nodes[(index, str(head))], ep)
+            if engine is not None:
+                out.append(engine)
+    return sorted(out, key=lambda e: e.name)
+
+
+def _engine_nodes(pod: dict[str, Any], role: Role) -> int | None:
+    """Nodes each of the role's engines spans, where narrower than the worker (else None)."""
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(L.ENGINE_NODES)
+    if not raw:
+        return None
+    try:
+        per = json.loads(raw).get(role.value)
+    except (ValueError, AttributeError):
+        return None
+    return per if isinstance(per, int) and per >= 1 else None
+
+
+def _node_endpoint(pod: dict[str, Any], leader: Endpoint) -> Endpoint | None:
+    """The engine a worker's other node serves: its own address, the worker's role."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip:
+        return None
+    ready = not meta.get("deletionTimestamp") and _ready(status)
+    port = (meta.get("annotations") or {}).get(L.PORT, "8000")
+    return Endpoint(
+        name=meta.get("name", ip),
+        url=f"http://{ip}:{port}",
+        role=leader.role,
+        ready=leader.ready and bool(ready),
+        draining=leader.draining,
+        target_role=leader.target_role,
+        worker=leader.name,
+    )
+
+
+def _ready(status: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
     )
 
 
@@ -90,7 +156,7 @@ class PodDiscovery:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def watch(self) -> AsyncIterator[list[Endpoint]]:
-        selector = L.worker_selector(self.keys.name)
+        selector = L.engine_selector(self.keys.name)
         pods: dict[str, dict[str, Any]] = {}
         last: list[Endpoint] | None = None
         async with aiohttp.ClientSession(headers=self._headers()) as s:
@@ -146,5 +212,4 @@ class PodDiscovery:
             p for p in pods.values()
             if ((p.get("metadata") or {}).get("labels") or {}).get(L.CLUSTER) == self.keys.name
         )  # fmt: skip
-        eps = (pod_endpoint(p) for p in mine)
-        return sorted((e for e in eps if e is not None), key=lambda e: e.name)
+        return pod_endpoints(mine)

@@ -218,9 +218,6 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
                              for err in e.errors())  # fmt: skip
         await _refuse(patch, body, generation, "InvalidSpec", problems)
         return
-    if (message := _unsupported(spec)) is not None:
-        await _refuse(patch, body, generation, "Unsupported", message)
-        return
     k = api()
     ref = spec.redis.passwordSecretRef
     if ref is not None and await k.get("v1", "Secret", namespace, ref.name) is None:
@@ -254,24 +251,6 @@ async def reconcile(name: str, namespace: str | None, uid: str, body: kopf.Body,
                   ", ".join(new_roles))  # fmt: skip
     status = _status(name, namespace, spec, generation, live[:n], pods, new_roles, created)
     patch.status.update(status)
-
-
-def _unsupported(spec: RolloutClusterSpec) -> str | None:
-    """What this operator cannot run although the spec is valid: a worker spanning nodes
-    whose role runs several engines in it (each would need an endpoint of its own)."""
-    w = spec.workers
-    if not w.multi_node:
-        return None
-    for role in (Role.PREFILL, Role.DECODE):
-        g = w.layout(role).gpus
-        if g < w.slot_gpus:
-            return (
-                f"workers.{role.value}.gpusPerWorker ({g}) is smaller than a worker of "
-                f"{w.slot_gpus} GPUs spanning nodes: several engines per multi-node worker "
-                "are not routed by this operator version; give both roles engines of "
-                f"{w.slot_gpus} GPUs (their parallel sizes and arguments may differ)"
-            )
-    return None
 
 
 async def _units(name: str, namespace: str, spec: RolloutClusterSpec
@@ -323,8 +302,6 @@ async def worker_pod_changed(body: kopf.Body, namespace: str | None, type: str |
     try:
         spec = parse_spec(dict(owner.get("spec") or {}))
     except ValidationError:
-        return  # reconcile has said why
-    if _unsupported(spec) is not None:
         return  # reconcile has said why
     units, pods = await _units(cluster, namespace, spec)
     if type == "DELETED":

@@ -125,7 +125,8 @@ class Router:
                 await self.writer.aclose()
             if self.redis is not None:
                 with contextlib.suppress(RedisError, OSError):
-                    fields = [inflight.field(w, c.router_id) for w in self.pool.workers]
+                    owners = {w.ep.owner for w in self.pool.workers.values()}
+                    fields = [inflight.field(o, c.router_id) for o in owners]
                     if fields:
                         await self.redis.hdel(c.keys.workers, *fields)
                 await self.redis.aclose()
@@ -151,7 +152,8 @@ class Router:
             self._discovered.set()
 
     async def _report_inflight(self) -> None:
-        """Write this router's in-flight counts per worker to the `workers` hash."""
+        """Write this router's in-flight counts per worker to the `workers` hash (a worker
+        running several engines reports their sum)."""
         assert self.redis is not None
         c = self.config
         failing = False
@@ -159,13 +161,15 @@ class Router:
         while True:
             await asyncio.sleep(c.inflight_interval_s)
             now = time.time()
+            counts: dict[str, tuple[int, int]] = {}
+            for w in self.pool.workers.values():
+                p, d = counts.get(w.ep.owner, (0, 0))
+                counts[w.ep.owner] = (p + w.prefill_inflight, d + w.decode_inflight)
             mapping = {
-                inflight.field(w.name, c.router_id): inflight.value(
-                    w.prefill_inflight, w.decode_inflight, now
-                )
-                for w in self.pool.workers.values()
+                inflight.field(owner, c.router_id): inflight.value(p, d, now)
+                for owner, (p, d) in counts.items()
             }
-            gone = [inflight.field(n, c.router_id) for n in known - set(self.pool.workers)]
+            gone = [inflight.field(n, c.router_id) for n in known - set(counts)]
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 if mapping:
@@ -173,7 +177,7 @@ class Router:
                 if gone:
                     pipe.hdel(c.keys.workers, *gone)
                 await pipe.execute()
-                known = set(self.pool.workers)
+                known = set(counts)
                 failing = False
             except (RedisError, OSError) as e:
                 if not failing:

@@ -30,6 +30,14 @@ class Endpoint:
     ready: bool = True
     draining: bool = False
     target_role: Role | None = None
+    # The worker this engine is one of, where a worker runs several (each is an endpoint, the
+    # worker's role and drains are theirs); None: the endpoint is the worker.
+    worker: str | None = None
+
+    @property
+    def owner(self) -> str:
+        """The worker whose in-flight count this endpoint's requests are part of."""
+        return self.worker or self.name
 
 
 class Discovery(Protocol):
