@@ -1,0 +1,3 @@
+from prorsa.cli import main
+
+main()
