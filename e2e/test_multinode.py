@@ -74,14 +74,18 @@ def _start_group(d: Path, tiny_model: Path, role_args: dict[str, list[str]]) -> 
                  f"http://127.0.0.1:{port1}")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
-    g = _start_group(workdir / "multinode", tiny_model, ROLE_ARGS)
+def _running(d: Path, tiny_model: Path, role_args: dict[str, list[str]]) -> Iterator[Group]:
+    g = _start_group(d, tiny_model, role_args)
     try:
         yield g
     finally:
         g.follower.stop()
         g.leader.stop()
+
+
+@pytest.fixture(scope="module")
+def group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
+    yield from _running(workdir / "multinode", tiny_model, ROLE_ARGS)
 
 
 def _ranks_with(g: Group, blocks: str) -> int:
@@ -151,12 +155,7 @@ SPLIT_ARGS = {
 
 @pytest.fixture(scope="module")
 def split_group(workdir: Path, tiny_model: Path) -> Iterator[Group]:
-    g = _start_group(workdir / "multiengine", tiny_model, SPLIT_ARGS)
-    try:
-        yield g
-    finally:
-        g.follower.stop()
-        g.leader.stop()
+    yield from _running(workdir / "multiengine", tiny_model, SPLIT_ARGS)
 
 
 def test_a_worker_runs_one_engine_per_node_in_one_role_and_one_over_both_in_the_other(

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from prorsa.local.redis_server import RedisServer
 from prorsa.policy.events import Event, EventType
@@ -50,3 +51,12 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushdb()
     client.close()
     yield redis_server.url
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve `app` on a free local port: (its runner, to clean up; the port)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

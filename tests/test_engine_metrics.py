@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from redis.asyncio import Redis
 
+from conftest import serve
 from prorsa.control.controller import Controller, ControllerConfig
 from prorsa.control.engine_metrics import EngineEvidence, parse_engine_metrics
 from prorsa.events.keys import ClusterKeys
@@ -145,11 +146,7 @@ def test_a_controller_learns_a_cluster_unlike_its_prior_from_the_workers_metrics
 
         app = web.Application()
         app.router.add_get("/{name}/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, port = await serve(app)
         async with Redis.from_url(redis_url) as r:
             reg = Registry(r, KEYS)
             for name in engines:

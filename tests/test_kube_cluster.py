@@ -10,6 +10,7 @@ import time
 from kmock import KubernetesEmulator, Server
 from redis.asyncio import Redis
 
+from conftest import serve
 from prorsa.api.models import parse_spec
 from prorsa.control.controller import Controller, ControllerConfig
 from prorsa.control.switch import SwitchOutcome, switch
@@ -107,11 +108,7 @@ def test_a_worker_running_several_engines_is_drained_and_measured_across_them(
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return await serve(app)
 
     async def main() -> None:
         (r0, p0), (r1, p1) = await engine(2), await engine(3)
