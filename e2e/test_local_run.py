@@ -48,10 +48,12 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
     every turn timed; each decision recorded with roles, forecast and capacity; the same
     picture as the simulator's; and after one rollout the capacity learned from the engines'
     `/metrics` agrees with the offline calibration where the rollout measured it (the size of
-    the prefills the pool served, the batch the decode worker ran), while the prior did not;
-    the decision log shows the learned figures. The calibration runs on an idle machine; in
-    the rollout the router, the agent loops and the controller share the two cores with the
-    engines: over five sync runs the learned figures came out at -13% to +31% (prefill) and
+    the prefills the pool served, the batch the decode worker ran) and has moved off the prior
+    (the H200 datasheet lies near this CPU by chance on some figures: how near depends on the
+    machine's speed, so the test asks that the evidence moved the estimate, not that the prior
+    was far); the decision log shows the learned figures. The calibration runs on an idle
+    machine; in the rollout the router, the agent loops and the controller share the two cores
+    with the engines: over five sync runs the learned figures came out at -13% to +31% (prefill) and
     -2% to +23% (decode step) of the calibration, and a sixth learned no prefill at all (the
     pool saw one burst); in async mode first prompts reach the pool all along (prefill -23%
     and +4%, decode +12% and +13% in two runs). The bound here is 40%: a guard against learning
@@ -99,7 +101,8 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
               f"{far}")  # fmt: skip
         assert ev["prefill_samples"] > 0 and ev["decode_samples"] >= 3 and ev["kv_workers"] == 1
         assert all(abs(v) <= 0.4 for v in learned.values()), learned
-        assert any(abs(v) > 0.4 for v in prior.values()), prior  # it had something to learn
+        moved = {k: learned[k] - prior[k] for k in learned}  # the evidence, not the prior
+        assert any(abs(v) > 0.1 for v in moved.values()), (learned, prior)
         assert row["capacity"]["kv_capacity_tokens"] == pytest.approx(cal.kv_capacity_tokens, 0.2)
         logged = [r.getMessage() for r in caplog.records if "capacity prefill" in r.getMessage()]
         assert logged, "the decision log shows the learned figures"

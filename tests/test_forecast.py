@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import turn
+from prorsa.policy.calibrate import LeadCalibration
 from prorsa.policy.events import Event, EventType
 from prorsa.policy.forecast import (
     EwmaForecaster,
@@ -105,17 +106,51 @@ def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
 
 
 def test_calibration_learns_the_error_at_each_lead_time() -> None:
-    fc = LifecycleForecaster("sync", calibration=0.5, smoothing=0.0)
-    tab = LifecycleTable()
-    h2 = Horizon(step_s=5.0, steps=2)
-    fc._calibrate(tab, 0.0, h2, [100.0, 100.0], [10.0, 10.0])
-    tab.submitted_tokens_total = 1000  # 200 tok/s happened where 100 were forecast
-    gain_p, gain_d = fc._calibrate(tab, 5.0, h2, [100.0, 100.0], [10.0, 10.0])
-    assert gain_p == [1.5, 1.0]  # halfway to 2x at lead 0; lead 1 not yet known
-    assert gain_d == [1.0, 1.0]  # nothing decoding: no evidence
-    tab.submitted_tokens_total = 1250  # 50 tok/s in the next step
-    gain_p, _ = fc._calibrate(tab, 10.0, h2, [100.0, 100.0], [10.0, 10.0])
-    assert gain_p[1] == 0.75  # the first forecast's lead-1 step: half the rate
+    cal = LeadCalibration(steps=2, step_s=5.0, gain_rate=0.5)
+    flat = [100.0, 100.0], [10.0, 10.0]
+
+    def step(now: float, submitted: int) -> None:
+        last = cal.observe(now, submitted, 0)
+        cal.combine(now, *flat, *flat, last)
+
+    step(0.0, 0)
+    step(5.0, 1000)  # 200 tok/s happened where 100 were forecast
+    assert cal.gain_p == [1.5, 1.0]  # halfway to 2x at lead 0; lead 1 not yet known
+    assert cal.gain_d == [1.0, 1.0]  # nothing decoding: no evidence
+    step(10.0, 1250)  # 50 tok/s in the next step
+    assert cal.gain_p[1] == 0.75  # the first forecast's lead-1 step: half the rate
+
+
+def test_blend_turns_to_persistence_where_the_model_keeps_missing() -> None:
+    cal = LeadCalibration(steps=3, step_s=5.0, gain_rate=0.0)
+    wrong = [300.0] * 3, [30.0] * 3  # steady demand is 100 tok/s and 10 decoding
+    got = []
+    for k in range(12):
+        last = cal.observe(5.0 * k, 500 * k, 10)
+        got.append(cal.combine(5.0 * k, *wrong, *wrong, last))
+    assert got[1] == wrong  # no evidence yet: the model alone
+    assert got[-1] == ([100.0] * 3, [10.0] * 3)  # persistence has been exact
+
+
+def test_blend_keeps_the_model_where_it_foresees_what_persistence_cannot() -> None:
+    cal = LeadCalibration(steps=2, step_s=5.0, gain_rate=0.0)
+    rates = [100.0 if k % 2 else 500.0 for k in range(40)]  # alternating demand
+    submitted = [0.0]
+    for r in rates:
+        submitted.append(submitted[-1] + 5.0 * r)
+    for k in range(39):
+        last = cal.observe(5.0 * k, int(submitted[k]), 10)
+        model = [rates[k], rates[k + 1]], [10.0, 10.0]  # exactly what the next steps do
+        out = cal.combine(5.0 * k, *model, *model, last)
+    assert out == model
+
+
+def test_the_blended_lifecycle_forecast_is_its_own_forecaster() -> None:
+    """The policy's forecaster is the model alone; the blend is scored beside it by name."""
+    plain, blended = make_forecaster("lifecycle"), make_forecaster("lifecycle-blend")
+    assert isinstance(plain, LifecycleForecaster) and isinstance(blended, LifecycleForecaster)
+    assert (plain.name, plain.blend) == ("lifecycle", False)
+    assert (blended.name, blended.blend) == ("lifecycle-blend", True)
 
 
 def test_unknown_forecaster_is_a_clear_error() -> None:
