@@ -13,6 +13,7 @@ from prorsa.policy.forecast import (
     Horizon,
     LastValueForecaster,
     LifecycleForecaster,
+    TrainerAdmission,
     make_forecaster,
 )
 from prorsa.policy.lifecycle import LifecycleTable
@@ -97,12 +98,30 @@ def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
         tab.apply(Event(EventType.TRAJ_START, f"n{i}", 1.0))
         tab.apply(submit(f"n{i}", 1.0, 1000))
         tab.apply(Event(EventType.PREFILL_DONE, f"n{i}", 2.0, tokens=1000, seconds=1.0))
-    # 50 starts in 5 s: async expects ~10 more per second, 1000 tokens each
-    gap = (
-        asy.forecast(tab, 5.0, H).prefill_tokens_per_s[-1]
-        - sync.forecast(tab, 5.0, H).prefill_tokens_per_s[-1]
-    )
-    assert gap >= 0.95 * 3000.0  # EWMA(0.3) of the 10/s start rate, 1000 tokens each
+    # 50 starts in 5 s and no end: a trainer filling its window, 10 a second for 5 s more;
+    # then it keeps its window full: whatever ends is replaced by a new first prompt
+    gap = [
+        a - s
+        for a, s in zip(
+            asy.forecast(tab, 5.0, H).prefill_tokens_per_s,
+            sync.forecast(tab, 5.0, H).prefill_tokens_per_s,
+            strict=True,
+        )
+    ]
+    assert gap[0] >= 10 * 1000.0  # the burst goes on through the next step...
+    assert gap[1] <= gap[0] - 5 * 1000.0  # ...and not beyond it
+    assert min(gap[1:]) > 0  # the ended are replaced all along
+
+
+def test_an_async_trainer_replaces_what_ends_while_it_admits() -> None:
+    adm = TrainerAdmission(smoothing=1.0)  # no smoothing: each interval as it was
+    assert adm.observe(0.0, 0, 0) == (0.0, 0.0, 0.0)  # nothing to compare with yet
+    assert adm.observe(5.0, 100, 0) == (1.0, 20.0, 5.0)  # a burst, 5 s old: 5 s more
+    assert adm.observe(10.0, 200, 0) == (1.0, 20.0, 10.0)  # still filling: 10 s more
+    assert adm.observe(15.0, 230, 30) == (1.0, 0.0, 0.0)  # full: one start per end
+    assert adm.observe(20.0, 240, 70) == (0.25, 0.0, 0.0)  # it admits a quarter of them
+    assert adm.observe(25.0, 240, 90) == (0.0, 0.0, 0.0)  # it has stopped admitting
+    assert adm.observe(30.0, 300, 90) == (1.0, 12.0, 5.0)  # a new burst (a larger window)
 
 
 def test_calibration_learns_the_error_at_each_lead_time() -> None:

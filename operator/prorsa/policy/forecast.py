@@ -135,6 +135,44 @@ _TURN_TABLE = 256  # continuation probabilities looked up per turn index up to t
 _DEPTHS = np.arange(_TURN_TABLE)
 
 
+class TrainerAdmission:
+    """How an async trainer admits trajectories, learned from the starts and ends it causes.
+
+    An async RL trainer keeps a window of trajectories in flight: it starts one when another
+    ends, and fills its window in a burst when it begins (or grows it). Per interval this
+    reports the share of ended trajectories it replaces (the smoothed ratio of starts to
+    ends, at most 1, so a trainer that has stopped admitting is followed) and, while starts
+    outnumber ends, the excess start rate with the seconds it is expected to go on: as long
+    again as it has lasted (a burst's length is unknown; half-way is the even guess), never
+    the whole horizon, which the window's limit rules out.
+    """
+
+    def __init__(self, smoothing: float = 0.3) -> None:
+        self.smoothing = smoothing  # EWMA weight of the last interval's rates
+        self._prev: tuple[float, int, int] | None = None  # (time, started, ended)
+        self._start_rate = 0.0
+        self._end_rate = 0.0
+        self._burst_since: float | None = None
+
+    def observe(self, now: float, started: int, ended: int) -> tuple[float, float, float]:
+        """(share of ends replaced, excess start rate per second, seconds it goes on)."""
+        prev, self._prev = self._prev, (now, started, ended)
+        if prev is None or now <= prev[0]:
+            return 0.0, 0.0, 0.0
+        span = now - prev[0]
+        starts, ends = started - prev[1], ended - prev[2]
+        a = self.smoothing
+        self._start_rate += a * (starts / span - self._start_rate)
+        self._end_rate += a * (ends / span - self._end_rate)
+        replaced = min(1.0, self._start_rate / self._end_rate) if self._end_rate > 0 else 1.0
+        if starts <= ends:
+            self._burst_since = None
+            return replaced, 0.0, 0.0
+        if self._burst_since is None:
+            self._burst_since = prev[0]
+        return replaced, (starts - ends) / span, now - self._burst_since
+
+
 class LifecycleForecaster:
     """Prorsa's forecaster: plays every trajectory's lifecycle forward over the horizon.
 
@@ -145,7 +183,11 @@ class LifecycleForecaster:
       output lengths (log-normal, conditioned on what it has generated so far).
     - Then the cycle repeats inside the horizon: prefills enter decode after the observed
       prefill latency, stay for a log-normal output length, go to a tool, come back.
-    - Arrivals: none in `sync` mode (the batch is known); the recent start rate in `async`.
+    - Arrivals: none in `sync` mode (the batch is known). In `async` mode the trainer keeps
+      a number of trajectories in flight: each one that ends is replaced (at the recent
+      ratio of starts to ends, so a trainer that has stopped admitting is followed), and a
+      burst that is filling the trainer's window (more starts than ends in the last
+      interval) goes on for as long again as it has lasted so far, not for the horizon.
 
     The chain runs on a grid `substeps` times finer than the horizon step, so agent turns
     shorter than a step are followed rather than averaged away.
@@ -172,8 +214,7 @@ class LifecycleForecaster:
         self._cal: LeadCalibration | None = None
         self.smoothing = smoothing  # weight of the previous forecast for the same steps
         self._prev_prefill: list[float] | None = None
-        self._prev_started: tuple[float, int] | None = None
-        self._arrival_rate = 0.0
+        self._admission = TrainerAdmission()
 
     def forecast(self, table: LifecycleTable, now: float, horizon: Horizon) -> Forecast:
         st = table.stats
@@ -184,6 +225,7 @@ class LifecycleForecaster:
         m_bins = n * sub
         tpot = st.tpot(0.02)
         first_prompt = st.first_prompt_tokens.get(512.0)
+        first_demand = st.first_prompt_demand.get(first_prompt)
         mean_tool_out = st.mean_tool_output()
         prefill_lag = st.prefill_latency_s.get(0.0)
         mu_all = st.output_len.mean if st.output_len.n > 0 else math.log(256.0)
@@ -201,7 +243,7 @@ class LifecycleForecaster:
         submit_tokens = np.zeros(m_bins)  # prefill tokens submitted in fine bin m
         submit_count = np.zeros(m_bins)
         first_turns = float(np.count_nonzero(idle & (rows.turn == 0)))  # first turn not sent
-        submit_tokens[0] += first_turns * first_prompt
+        submit_tokens[0] += first_turns * first_demand
         submit_count[0] += first_turns
         prefilling = float(np.count_nonzero(rows.state == State.PREFILL))
 
@@ -269,10 +311,15 @@ class LifecycleForecaster:
             )
             submit_count += bin_count[waiting_bins] @ probs
             submit_tokens += bin_tokens[waiting_bins] @ probs
-        arrivals = self._arrivals(table, now) * f
-        if arrivals:
-            submit_count += arrivals
-            submit_tokens += arrivals * first_prompt
+        replaced, burst_rate, burst_s = (
+            self._admission.observe(now, table.started_total, table.ended_total)
+            if self.mode == "async"
+            else (0.0, 0.0, 0.0)
+        )
+        if burst_rate:
+            k = min(m_bins, max(1, math.ceil(burst_s / f)))
+            submit_count[:k] += burst_rate * f
+            submit_tokens[:k] += burst_rate * f * first_demand
 
         # ---- the chain: submit -> (prefill lag) -> decode -> tool -> submit ... -------------
         # Continuation in the chain: the current population's average at its turn depth.
@@ -310,6 +357,10 @@ class LifecycleForecaster:
             cur_seqs += e_m - float(exits[m])
             seqs_fine[m] = cur_seqs if cur_seqs > 0 else 0.0
             back = float(exits[m]) * p_cont
+            new = float(exits[m]) * (1.0 - p_cont) * replaced  # async: the ended, replaced
+            if new and m + 1 < m_bins:
+                submit_count[m + 1] += new
+                submit_tokens[m + 1] += new * first_demand
             if back:
                 w = back * k0[: m_bins - m]
                 submit_tokens[m:] += w * chain_tokens
@@ -343,14 +394,6 @@ class LifecycleForecaster:
             cal = LeadCalibration(horizon.steps, horizon.step_s, gain_rate=self.calibration)
             self._cal = cal
         return cal
-
-    def _arrivals(self, table: LifecycleTable, now: float) -> float:
-        prev, self._prev_started = self._prev_started, (now, table.started_total)
-        if self.mode == "sync" or prev is None or now <= prev[0]:
-            return 0.0
-        rate = (table.started_total - prev[1]) / (now - prev[0])
-        self._arrival_rate += 0.3 * (rate - self._arrival_rate)
-        return self._arrival_rate
 
 
 _GF_REP = np.array([0.5, 1.0, 2.0])  # representative length factor of short / average / long groups

@@ -21,6 +21,8 @@ class LearnedStats:
     tool_latency: LogHistogram
     tool_output_tokens: Ewma  # tokens a turn appends after the first (tool output)
     first_prompt_tokens: Ewma
+    # what a first prompt costs to prefill: less than its size where a shared prefix is cached
+    first_prompt_demand: Ewma
     output_len: LogMoments  # log output tokens per turn, all trajectories
     decode_s: Ewma  # decode request seconds (includes KV transfer and queueing)
     # decode durations divided by their GRPO group's length factor: a long-tailed, queue-aware
@@ -49,6 +51,7 @@ class LearnedStats:
             tool_latency=LogHistogram(),
             tool_output_tokens=Ewma(0.05),
             first_prompt_tokens=Ewma(0.05),
+            first_prompt_demand=Ewma(0.05),
             output_len=LogMoments(),
             decode_s=Ewma(0.05),
             decode_duration=LogHistogram(half_life_s=180.0),

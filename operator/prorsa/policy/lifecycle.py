@@ -58,7 +58,7 @@ class _Samples:
     def __init__(self) -> None:
         self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
         self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
-        self.first_prompts = array("d")
+        self.first_prompts = array("d")  # (prompt tokens, demand tokens)
         self.appended = array("d")  # (turn, tokens appended, uncached, context before)
         self.continued = array("d")  # turns another turn followed
         self.ended = array("d")  # turns the trajectory ended after
@@ -151,7 +151,7 @@ class LifecycleTable:
         remote, appended, decodes = learn.remote.extend, learn.appended.extend, learn.decodes.extend
         pool = learn.pool.extend
         prefill_s, tool_s = learn.prefill_s.append, learn.tool_s.extend
-        first_prompt, continued = learn.first_prompts.append, learn.continued.append
+        first_prompt, continued = learn.first_prompts.extend, learn.continued.append
         now = self.now
         dups = late_n = submitted = 0
         for ev in events:
@@ -193,7 +193,7 @@ class LifecycleTable:
                 turn[i] = k + 1
                 ctx = context[i]
                 if k == 0:
-                    first_prompt(prompt)
+                    first_prompt((prompt, demand))
                 elif not late:
                     # What the turn appended (the tool's output) vs what its prefill computes:
                     # the excess is context the serving worker had evicted, recomputed.
@@ -262,7 +262,9 @@ class LifecycleTable:
         demand, computed = learn.records(learn.pool, 2)
         st.worthy_tokens.add_all(demand)
         st.pool_tokens.add_all(computed)
-        st.first_prompt_tokens.add_all(learn.records(learn.first_prompts, 1)[0])
+        prompts, demands = learn.records(learn.first_prompts, 2)
+        st.first_prompt_tokens.add_all(prompts)
+        st.first_prompt_demand.add_all(demands)
         turn, grew, uncached, ctx = learn.records(learn.appended, 4)
         st.tool_output_tokens.add_all(grew)
         has_ctx = ctx > 0
