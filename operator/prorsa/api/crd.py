@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from prorsa.api import models as m
+from prorsa.api.validations import SPEC_VALIDATIONS
 
 _DROP = {"title"}
 
@@ -81,7 +82,7 @@ def spec_schema() -> dict[str, Any]:
     _object_defaults(s, {"workers": {}, "kvTransfer": {}, "allocation": {},
                          "redis": {"managed": True}, "router": {}})  # fmt: skip
     s["properties"]["workers"]["properties"]["resources"]["default"] = {}
-    s["x-kubernetes-validations"] = m.SPEC_VALIDATIONS
+    s["x-kubernetes-validations"] = SPEC_VALIDATIONS
     return s
 
 

@@ -13,6 +13,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from prorsa.api import models as m
+from prorsa.api.validations import SPEC_VALIDATIONS
 
 _HEADER = """# RolloutCluster configuration reference
 
@@ -98,7 +99,7 @@ def reference() -> str:
              "| Field | Type | Default | Bounds | Meaning |", "|---|---|---|---|---|"]  # fmt: skip
     lines += _rows(m.RolloutClusterSpec, "spec.")
     lines += ["", "### Cross-field rules", ""]
-    lines += [f"- {v['message']}" for v in m.SPEC_VALIDATIONS]
+    lines += [f"- {v['message']}" for v in SPEC_VALIDATIONS]
     lines += ["", "## status (written by the operator)", "",
               "| Field | Type | Default | Bounds | Meaning |", "|---|---|---|---|---|"]  # fmt: skip
     lines += _rows(m.RolloutClusterStatus, "status.")
