@@ -10,7 +10,9 @@ lead-h forecasts:
   where it is steady or where the model's assumptions do not hold for this agent. Which one
   holds is a property of the workload, learned here as it runs, per lead time, from the same
   evidence the gains use (forecast combination, as in Bates and Granger 1969, with weights
-  picked by recent error).
+  picked by recent error). Only the `lifecycle-blend` forecaster uses the blend: it lowers
+  the error averaged over a run, but persistence, picked in steady stretches, misses the
+  phase change the allocator must see coming.
 Pure: fed the table's counters, no clock or I/O of its own.
 """
 
