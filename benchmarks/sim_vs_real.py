@@ -1,13 +1,15 @@
 """How far to trust the simulator: the same seeded rollout, run for real and simulated.
 
 Starts two real vLLM workers on the CPU (the tiny model), the router, Redis and the
-controller; calibrates a `MeasuredCost` from one worker (prefill throughput, decode step);
+controller; calibrates a `MeasuredCost` from the workers (prefill throughput, decode step;
+all of them at once, as a rollout loads them, or `--calibration one`: one, the other idle);
 drives each scaled workload through the router under each policy; simulates the very same
 scripts with the calibrated cost model and the same policy settings; prints both makespans
-and the simulator's error, one row per workload and policy. Asserts nothing.
+and the simulator's error, one row per workload and policy, with the mean turn as the agent
+loop timed it beside the engines' own time per turn. Asserts nothing.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--workloads swe,search,math,shift,sampled-1000]
-        [--trajectories N] [--json F]
+        [--calibration concurrent|one] [--trajectories N] [--json F]
 
 `sampled-N` is the workload `prorsa workload sample --seed N` writes (seeds from 1000 up are
 the ones no forecast or model was tuned on). Trajectories default per workload: 24 for the
@@ -24,6 +26,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from rich.console import Console
 
@@ -53,8 +56,9 @@ async def _engine_seconds(urls: list[str]) -> float:
         for url in urls:
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
-            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                         if line.startswith(_E2E + "_sum"))  # fmt: skip
+            total += sum(s.value for fam in text_string_to_metric_families(text)
+                         if fam.name == _E2E for s in fam.samples
+                         if s.name == _E2E + "_sum")  # fmt: skip
     return total
 
 
@@ -71,16 +75,15 @@ async def main(args: argparse.Namespace) -> None:
     console = Console(width=120)
     base = LocalOptions(workers=2, seed=args.seed, workdir=Path(args.workdir), live=False)
     base.workdir.mkdir(parents=True, exist_ok=True)
-    opts = base
-    model = make_tiny_model(opts.workdir / "tiny-llama")
-    with RedisServer(opts.workdir / "redis") as server:
-        stack = LocalStack(StackConfig(model=model, workdir=opts.workdir / "logs",
+    model = make_tiny_model(base.workdir / "tiny-llama")
+    with RedisServer(base.workdir / "redis") as server:
+        stack = LocalStack(StackConfig(model=model, workdir=base.workdir / "logs",
                                        redis_url=server.url, roles=[], keys=KEYS))  # fmt: skip
         redis = Redis.from_url(server.url, socket_timeout=10)
         try:
             from prorsa.policy.allocate import Role
 
-            for i in range(opts.workers):
+            for i in range(base.workers):
                 stack.start_worker(i, Role.DECODE)
             stack.start_router()
             await asyncio.to_thread(stack.wait_ready, 900)
@@ -101,13 +104,13 @@ async def main(args: argparse.Namespace) -> None:
                 f"{1e3 * cal.decode_step_s:.2f} ms + {1e3 * cal.decode_s_per_seq:.3f} ms/seq"
             )
             rows = []
+            urls = [w.url for w in stack.workers]
             for name in args.workloads.split(","):
                 n = args.trajectories or TRAJECTORIES.get(name, 24)
                 opts = replace(base, workload=_workload_arg(name, base.workdir), trajectories=n)
                 spec = load_workload(opts.workload)
                 scripts = scale_scripts(generate(spec, n, opts.seed), opts.scale)
                 for policy in args.policies.split(","):
-                    urls = [w.url for w in stack.workers]
                     engine_s = await _engine_seconds(urls)
                     real = await run_policy(opts, stack, redis, cal, policy, console)
                     engine_s = await _engine_seconds(urls) - engine_s
