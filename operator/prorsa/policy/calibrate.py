@@ -30,6 +30,8 @@ _COMBOS = np.array(
     dtype=np.float64,
 ) / float(_GRID)
 _MODEL_ONLY = int(np.flatnonzero(_COMBOS[:, 0] == 1.0)[0])
+# Weight of the last interval in the smoothed persistence forecast (the `ewma` forecaster's).
+EWMA_ALPHA = 0.3
 # Until a lead has this many scored forecasts, the model alone is used at that lead.
 MIN_SCORED = 3
 # A mix must beat the model alone by this share of its error to replace it: persistence is
@@ -88,7 +90,7 @@ class LeadCalibration:
                 keep.append(past)
         self._past = keep
         last_rate = max(rate, 0.0)
-        a = 0.3  # as the ewma forecaster
+        a = EWMA_ALPHA
         if self._ewma is None:
             self._ewma = (last_rate, float(decoding))
         else:

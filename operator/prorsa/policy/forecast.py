@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from prorsa.policy.calibrate import LeadCalibration
+from prorsa.policy.calibrate import EWMA_ALPHA, LeadCalibration
 from prorsa.policy.events import State
 from prorsa.policy.lifecycle import LifecycleTable
 from prorsa.policy.stats import LogHistogram
@@ -113,7 +113,7 @@ class EwmaForecaster(LastValueForecaster):
 
     name = "ewma"
 
-    def __init__(self, alpha: float = 0.3) -> None:
+    def __init__(self, alpha: float = EWMA_ALPHA) -> None:
         super().__init__()
         self.alpha = alpha
         self._rate: float | None = None
