@@ -75,6 +75,52 @@ def test_lifecycle_sees_decodes_finishing() -> None:
     assert max(fc.decode_seqs[6:]) > 60  # ...until the second turns come back (~30 s)
 
 
+def test_contexts_grow_over_the_horizon_as_turns_come_back() -> None:
+    """A decoding sequence's KV is its context: the second turns that come back ~30 s from
+    now carry the first turn's 1,000 output tokens, so the KV per sequence grows with them
+    (a constant KV per sequence prices a smaller decode pool as if contexts stayed short)."""
+    tab = LifecycleTable()
+    _teach(tab, 200, out=1000, tool_s=20.0)
+    now = 100.0
+    for i in range(100):
+        tid = f"live{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 1, group=f"lg{i}"))
+        tab.apply(submit(tid, now - 1, 500))
+        tab.apply(Event(EventType.PREFILL_DONE, tid, now, tokens=500, seconds=1.0))
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
+    assert fc.decode_seqs[0] > 80 and fc.decode_seqs[5] > 60  # first turns, then second
+    per_seq = [kv / s for kv, s in zip(fc.decode_kv_tokens, fc.decode_seqs, strict=True) if s]
+    assert per_seq[0] < 1000  # 500 prompt tokens and a second of output
+    assert fc.decode_kv_tokens[5] / fc.decode_seqs[5] > per_seq[0] + 700  # and 1,000 more
+
+
+def test_those_prefilling_decode_once_their_prefill_latency_has_passed() -> None:
+    """Prefills take ~20 s here (a queue), decodes a minute: trajectories submitted 19 s
+    ago decode from the next step on, those just submitted only after ~20 s."""
+    tab = LifecycleTable()
+    for i in range(200):
+        tid = f"hist{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, 0.0))
+        tab.apply(submit(tid, 0.0, 500))
+        tab.apply(Event(EventType.PREFILL_DONE, tid, 20.0, tokens=500, seconds=20.0))
+        tab.apply(Event(EventType.DECODE_DONE, tid, 80.0, output_tokens=6000, seconds=60.0))
+        tab.apply(Event(EventType.TRAJ_END, tid, 80.5))
+    now = 100.0
+
+    def seqs(submitted_ago: float) -> list[float]:
+        t = LifecycleTable()
+        t.stats = tab.stats
+        for i in range(50):
+            t.apply(Event(EventType.TRAJ_START, f"q{i}", now - submitted_ago))
+            t.apply(submit(f"q{i}", now - submitted_ago, 500))
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0)
+        return f.forecast(t, now, H).decode_seqs
+
+    assert seqs(19.0)[0] > 40  # decoding within the next step
+    late = seqs(0.5)
+    assert late[1] < 5 and max(late[3:6]) > 40  # not before ~20 s
+
+
 def test_lifecycle_uses_tool_hints() -> None:
     tab = LifecycleTable()
     _teach(tab, 50, out=100, tool_s=1.0)
@@ -138,6 +184,25 @@ def test_calibration_learns_the_error_at_each_lead_time() -> None:
     assert cal.gain_d == [1.0, 1.0]  # nothing decoding: no evidence
     step(10.0, 1250)  # 50 tok/s in the next step
     assert cal.gain_p[1] == 0.75  # the first forecast's lead-1 step: half the rate
+
+
+def test_forecasts_made_before_the_evidence_are_not_learned_from() -> None:
+    """A cold start's forecast is far off at every lead; a gain learned from it would
+    distort the first forecasts the policy trusts."""
+    cal = LeadCalibration(steps=2, step_s=5.0, gain_rate=0.5)
+    flat = [100.0, 100.0], [10.0, 10.0]
+    for k, submitted in enumerate((0, 1000, 2000)):
+        last = cal.observe(5.0 * k, submitted, 10)
+        cal.combine(5.0 * k, *flat, *flat, last, score=False)
+    assert cal.gain_p == cal.gain_d == [1.0, 1.0]
+    tab = LifecycleTable()
+    _teach(tab, 20, out=100, tool_s=1.0)
+    for min_evidence, learned in ((1000, False), (10, True)):
+        f = LifecycleForecaster("sync", min_evidence=min_evidence)
+        for k in range(4):
+            tab.ingest([submit(f"n{min_evidence}-{k}", 100.0 + 5 * k, 50_000)])
+            f.forecast(tab, 100.0 + 5 * k, H)
+        assert f._cal is not None and (f._cal.gain_p[0] != 1.0) == learned
 
 
 def test_blend_turns_to_persistence_where_the_model_keeps_missing() -> None:

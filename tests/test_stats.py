@@ -88,3 +88,46 @@ def test_batched_updates_equal_one_sample_at_a_time() -> None:
     assert batched_h.survival_array(probes, table_b).tolist() == pytest.approx(
         [batched_h.survival(p, table_b) for p in probes], abs=1e-12
     )
+
+
+def _steady_stream(h: LogHistogram, now: float, by_start: bool) -> list[float]:
+    """One duration starts each second until `now`, alternately 100 s and 1,000 s long (both
+    longer than the half-life): ended ones added at their start (or end), running ones
+    censored at their elapsed time, weighted as of their start (or in full)."""
+    cens = [0.0] * h.bins
+    for k in range(int(now)):
+        d = 100.0 if k % 2 else 1000.0
+        if k + d <= now:
+            h.add(d, now=float(k) if by_start else k + d)
+        else:
+            w = float(h.start_weights(np.array([now - k]))[0]) if by_start else 1.0
+            cens[h.index(now - k)] += w
+    return cens
+
+
+def test_durations_weighted_by_their_start_give_the_true_survival() -> None:
+    """Half of the durations last 100 s: S just past 100 s is 0.5. Weighted by their end,
+    ended durations fade while the running ones count in full, and the long ones count
+    for more than half."""
+    now = 3000.0
+    cohort = LogHistogram(half_life_s=180.0)
+    s_cohort = cohort.survival(150.0, cohort.survival_table(_steady_stream(cohort, now, True), now))
+    by_end = LogHistogram(half_life_s=180.0)
+    s_end = by_end.survival(150.0, by_end.survival_table(_steady_stream(by_end, now, False), now))
+    assert s_cohort == pytest.approx(0.5, abs=0.05)
+    assert s_end > 0.6
+
+
+def test_the_tail_past_the_longest_ended_duration_decays() -> None:
+    """Kaplan-Meier is flat past the longest duration seen to end; with `tail` what is still
+    running ends memorylessly, about as long again as the longest that ended."""
+    h = LogHistogram()
+    for _ in range(50):
+        h.add(10.0)
+    cens = [0.0] * h.bins
+    cens[h.index(40.0)] = 50.0  # as many still running after 40 s
+    flat, tail = h.survival_table(cens), h.survival_table(cens, tail=True)
+    assert h.survival(15.0, flat) == pytest.approx(0.5) == h.survival(1000.0, flat)
+    assert h.survival(9.0, tail) == h.survival(9.0, flat)  # up to the last ended: the same
+    assert 0.05 < h.survival(25.0, tail) < h.survival(15.0, tail) < 0.5  # then it decays
+    assert h.survival(200.0, tail) < 1e-3

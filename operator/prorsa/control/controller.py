@@ -37,7 +37,7 @@ from prorsa.policy.allocate import (
     make_policy,
 )
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.forecast import Forecast, RolloutMode, make_forecaster
+from prorsa.policy.forecast import Forecast, LifecycleForecaster, RolloutMode, make_forecaster
 from prorsa.policy.learn import CapacityEstimator
 from prorsa.policy.lifecycle import LifecycleTable
 
@@ -129,7 +129,9 @@ class Controller:
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.settings, self.config.capacity)
-        self.forecaster = make_forecaster("lifecycle", self.config.mode)
+        self.forecaster = make_forecaster(
+            "lifecycle", self.config.mode, self.config.settings.min_evidence
+        )
         self.learner: CapacityEstimator | None = None
         self.engine_evidence: EngineEvidence | None = None
         if self.config.learn_capacity:
@@ -152,6 +154,8 @@ class Controller:
         self.config = replace(self.config, settings=settings)
         capacity = self.policy.capacity  # what was learned so far stays learned
         self.policy = make_policy(settings, capacity)
+        if isinstance(self.forecaster, LifecycleForecaster):
+            self.forecaster.min_evidence = settings.min_evidence
         return True
 
     # ---- switches -----------------------------------------------------------------------------

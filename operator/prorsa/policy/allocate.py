@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.forecast import Forecast, Horizon
+from prorsa.policy.forecast import MIN_EVIDENCE, Forecast, Horizon
 
 
 class Role(StrEnum):
@@ -38,7 +38,7 @@ class AllocationSettings:
     cooldown_s: float = 10.0
     hysteresis: float = 0.05  # predictive: grow the prefill pool only for this relative gain
     max_switches_per_decision: int = 4
-    min_evidence: int = 200  # predictive: completed decodes to see before trusting a forecast
+    min_evidence: int = MIN_EVIDENCE  # predictive: decodes to see before trusting a forecast
     # reactive thresholds (Dynamo-style load planner)
     reactive_prefill_wait_up_s: float = 1.0
     reactive_prefill_wait_down_s: float = 0.2

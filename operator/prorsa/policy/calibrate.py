@@ -113,16 +113,17 @@ class LeadCalibration:
 
     def combine(
         self, now: float, raw_p: list[float], raw_s: list[float], model_p: list[float],
-        model_s: list[float], last: tuple[float, int], mix: bool = True,
+        model_s: list[float], last: tuple[float, int], mix: bool = True, score: bool = True,
     ) -> tuple[list[float], list[float]]:  # fmt: skip
         """The forecast to use: per lead, the mix of the model (after gains) and persistence
         with the lowest recent error (`mix=False`: the model); remembers the candidates to
-        score them once their steps have happened."""
+        score them once their steps have happened (`score=False`: not this one)."""
         assert self._ewma is not None, "observe() first"
         n = self.steps
         cand_p = np.column_stack([model_p, np.full(n, last[0]), np.full(n, self._ewma[0])])
         cand_s = np.column_stack([model_s, np.full(n, float(last[1])), np.full(n, self._ewma[1])])
-        self._past.append(_Past(now, raw_p, raw_s, cand_p, cand_s))
+        if score:
+            self._past.append(_Past(now, raw_p, raw_s, cand_p, cand_s))
         if not mix:
             return model_p, model_s
         w_p, w_s = self.weights()

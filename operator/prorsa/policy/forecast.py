@@ -20,6 +20,11 @@ from prorsa.policy.events import State
 from prorsa.policy.lifecycle import LifecycleTable
 from prorsa.policy.stats import LogHistogram
 
+# Completed decodes a forecast's statistics must rest on before it is trusted: by the
+# predictive policy to act on (`AllocationSettings.min_evidence`), by the forecaster's online
+# calibration to learn from.
+MIN_EVIDENCE = 200
+
 RolloutMode = Literal["sync", "async"]
 
 
@@ -202,8 +207,13 @@ class LifecycleForecaster:
         calibration: float = 0.2,
         smoothing: float = 0.5,
         blend: bool = False,
+        min_evidence: int = MIN_EVIDENCE,
     ) -> None:
         self.mode = mode
+        # Forecasts made before this many decodes ended are not scored: their errors come
+        # from the evidence they lacked, and gains learned from them (a cold start's forecast
+        # is far off at every lead) would distort the first trusted forecasts.
+        self.min_evidence = min_evidence
         self.name = "lifecycle-blend" if blend else "lifecycle"
         self.substeps = substeps
         self.calibration = calibration  # EWMA weight of the online gains (0: off)
@@ -245,7 +255,7 @@ class LifecycleForecaster:
         first_turns = float(np.count_nonzero(idle & (rows.turn == 0)))  # first turn not sent
         submit_tokens[0] += first_turns * first_demand
         submit_count[0] += first_turns
-        prefilling = float(np.count_nonzero(rows.state == State.PREFILL))
+        prefilling_since = elapsed[rows.state == State.PREFILL]
 
         # Decoding: bucket by (group length class, elapsed time in units of that class).
         d_depth, d_elapsed = depth[decoding_now], elapsed[decoding_now]
@@ -261,7 +271,8 @@ class LifecycleForecaster:
         d_bin = dhist.index_array(np.maximum(d_elapsed, 0.0) / _GF_REP[gb])
         nd = dhist.bins
         dec_cells = np.bincount(gb * nd + d_bin, minlength=3 * nd).astype(np.float64)
-        in_decode = np.bincount(d_bin, minlength=nd).astype(np.float64)
+        # the running decodes as censored durations, weighted as of their start (as learned)
+        in_decode = np.bincount(d_bin, dhist.start_weights(d_elapsed), minlength=nd)
         kv_now = float(np.sum(d_ctx + d_elapsed / tpot))
 
         # Between turns: their next prefill, with the tool-latency distribution or a hint.
@@ -329,13 +340,19 @@ class LifecycleForecaster:
             ctx_sum / ctx_n if ctx_n else 0.0
         )
         lag = int(prefill_lag / f)
-        spread = max(1, 2 * lag + 1)
-        entries = np.zeros(m_bins)
-        entries[: min(spread, m_bins)] += prefilling / spread
+        # Those prefilling now decode once their prefill latency has passed (first come,
+        # first served: the longest waiting first), as new submissions do after `lag`.
+        entries = np.bincount(
+            np.clip(((prefill_lag - prefilling_since) / f).astype(np.int64), 0, m_bins - 1),
+            minlength=m_bins,
+        ).astype(np.float64)
         # P(a new decode lasts k fine bins): the learned duration distribution (average group)
+        # with the running decodes censored and a tail past the longest that ended: the
+        # first decodes to end are the short ones, and their distribution alone sends new
+        # decodes back to prefill too soon.
         d_exit = _returns(
             dhist,
-            dhist.survival_table() if dhist.total > 0 else None,
+            dhist.survival_table(in_decode.tolist(), now, tail=True) if dhist.total > 0 else None,
             np.zeros(1),
             np.full(1, f),
             m_bins,
@@ -347,6 +364,15 @@ class LifecycleForecaster:
         seqs_fine = np.zeros(m_bins)
         kv_per_seq = kv_now / decoding if decoding else first_prompt
         cur_seqs = decoding
+        # Contexts grow as the horizon unfolds: each decode that ends adds its output, each
+        # return its tool output; ended trajectories leave and (async) fresh ones start small.
+        # The decoding sequences' KV follows the live population's mean context.
+        out_tokens = st.decode_tokens.get(math.exp(mu_all))
+        tool_tokens = chain_out / ctx_n if ctx_n else mean_tool_out
+        pop_live = float(rows.state.size)
+        pop_ctx = float(rows.context.sum())
+        mean_ctx0 = pop_ctx / pop_live if pop_live else 0.0
+        ctx_shift = np.zeros(m_bins)
         next_bin = lag == 0  # same-bin returns count as demand now and enter decode next bin
         for m in range(m_bins):
             if m >= lag:
@@ -358,6 +384,13 @@ class LifecycleForecaster:
             seqs_fine[m] = cur_seqs if cur_seqs > 0 else 0.0
             back = float(exits[m]) * p_cont
             new = float(exits[m]) * (1.0 - p_cont) * replaced  # async: the ended, replaced
+            if pop_live > 1.0:
+                ended = min(float(exits[m]) * (1.0 - p_cont), pop_live - 1.0)
+                pop_ctx += float(exits[m]) * out_tokens + back * tool_tokens
+                pop_ctx -= ended * pop_ctx / pop_live
+                pop_live += new - ended
+                pop_ctx += new * first_prompt
+                ctx_shift[m] = pop_ctx / pop_live - mean_ctx0
             if new and m + 1 < m_bins:
                 submit_count[m + 1] += new
                 submit_tokens[m + 1] += new * first_demand
@@ -372,6 +405,7 @@ class LifecycleForecaster:
 
         prefill = (submit_tokens.reshape(n, sub).sum(axis=1) / dt).tolist()
         seqs = seqs_fine[sub - 1 :: sub].tolist()
+        kv_seq = np.maximum(kv_per_seq + ctx_shift[sub - 1 :: sub], 1.0)
         cal = self._calibration(horizon)
         last = cal.observe(now, table.submitted_tokens_total, table.count(State.DECODE))
         raw_p, raw_s = prefill, seqs
@@ -384,8 +418,11 @@ class LifecycleForecaster:
         self._prev_prefill = prefill
         prefill = [x * g for x, g in zip(prefill, cal.gain_p, strict=True)]
         seqs = [x * g for x, g in zip(seqs, cal.gain_d, strict=True)]
-        prefill, seqs = cal.combine(now, raw_p, raw_s, prefill, seqs, last, mix=self.blend)
-        kv = [x * kv_per_seq for x in seqs]
+        prefill, seqs = cal.combine(
+            now, raw_p, raw_s, prefill, seqs, last, mix=self.blend,
+            score=st.decode_duration.n >= self.min_evidence,
+        )  # fmt: skip
+        kv = [x * k for x, k in zip(seqs, kv_seq.tolist(), strict=True)]
         return Forecast(dt, prefill, seqs, kv, **table_facts(table))
 
     def _calibration(self, horizon: Horizon) -> LeadCalibration:
@@ -435,9 +472,11 @@ FORECASTERS = {
 }
 
 
-def make_forecaster(name: str, mode: RolloutMode = "sync") -> Forecaster:
+def make_forecaster(
+    name: str, mode: RolloutMode = "sync", min_evidence: int = MIN_EVIDENCE
+) -> Forecaster:
     if name in ("lifecycle", "lifecycle-blend"):
-        return LifecycleForecaster(mode, blend=name == "lifecycle-blend")
+        return LifecycleForecaster(mode, blend=name == "lifecycle-blend", min_evidence=min_evidence)
     if name == "last":
         return LastValueForecaster()
     if name == "ewma":

@@ -328,7 +328,8 @@ class LifecycleTable:
         moments.mean = mean0 + delta * m / n
         moments.m2 += float(((y - batch_mean) ** 2).sum()) + delta * delta * n0 * m / n
         timed = seconds > 0
-        st.decode_duration.add_all(seconds[timed] / factor[timed], ts[timed])
+        # at the decode's start: see `LogHistogram.survival_table` on censored durations
+        st.decode_duration.add_all(seconds[timed] / factor[timed], ts[timed] - seconds[timed])
         st.decode_s.add_all(seconds[timed])
         st.decode_tokens.add_all(out[timed])
 

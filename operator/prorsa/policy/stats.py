@@ -146,13 +146,30 @@ class LogHistogram:
         """Samples seen, discounted by age: the weight recent evidence carries."""
         return self.total * math.exp(-self._rate * (now - self._t0))
 
-    def survival_table(self, censored: list[float] | None = None, now: float = 0.0) -> list[float]:
+    def start_weights(self, elapsed: np.ndarray) -> np.ndarray:
+        """The weight, now, of durations that began `elapsed` seconds ago: what a censored
+        duration counts in `survival_table` when ended ones were added at their start."""
+        w: np.ndarray = np.exp(-self._rate * np.maximum(elapsed, 0.0))
+        return w
+
+    def survival_table(
+        self, censored: list[float] | None = None, now: float = 0.0, tail: bool = False
+    ) -> list[float]:
         """S at each upper bin edge: P(X > edge(i)).
 
         `censored[i]` counts durations still running with their elapsed time in bin i (tool
         calls in flight). Without them a long tool call only counts once it returns, so early
         in a rollout the tail is missing and returns are predicted too soon; with them the
-        estimate is Kaplan-Meier over the bins.
+        estimate is Kaplan-Meier over the bins. Both must fade alike: ended durations added
+        at their start time pair with censored ones weighted by `start_weights` (then the
+        decayed estimate is exact for a steady stream; weighted by their end, the ended ones
+        fade while the running ones count in full, and durations longer than the half-life
+        come out longer still).
+
+        Kaplan-Meier says nothing past the longest duration that ended: S stays flat there.
+        `tail`: past it S decays memorylessly with that duration as the mean (what has lasted
+        t is expected to last about t more), so the share still running is neither dropped
+        nor held forever.
         """
         if self.total <= 0:
             return [0.0] * self.bins
@@ -167,6 +184,11 @@ class LogHistogram:
                 s *= max(0.0, 1.0 - done[i] / at_risk)
             out.append(s)
             at_risk -= done[i] + cens[i]
+        last = max((i for i in range(self.bins) if done[i] > 0), default=-1)
+        if tail and 0 <= last < self.bins - 1 and out[last] > 0:
+            t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
+            for i in range(last + 1, self.bins):
+                out[i] = out[last] * math.exp(-(self.lo * self.ratio**i - t_last) / t_last)
         return out
 
     def survival_array(self, t: np.ndarray, table: list[float]) -> np.ndarray:

@@ -90,7 +90,8 @@ class Simulator:
         self.table = LifecycleTable()
         self.horizon = self.settings.horizon
         self.shadows: dict[str, Forecaster] = {
-            name: make_forecaster(name, self.cfg.mode) for name in self.cfg.shadow_forecasters
+            name: make_forecaster(name, self.cfg.mode, self.settings.min_evidence)
+            for name in self.cfg.shadow_forecasters
         }
         self.scorers = {name: ForecastScorer(self.horizon) for name in self.shadows}
         self.oracle_forecast: Callable[[Simulator], Forecast] | None = None
@@ -501,7 +502,7 @@ class Simulator:
             policy_fc = self.oracle_forecast(self)
         elif self.policy.uses_forecast:
             policy_fc = forecasts.get("lifecycle") or make_forecaster(
-                "lifecycle", self.cfg.mode
+                "lifecycle", self.cfg.mode, self.settings.min_evidence
             ).forecast(table, now, self.horizon)
         if self.learner is not None:
             self._learn(self.learner)
