@@ -184,10 +184,13 @@ class LifecycleForecaster:
     - In a tool call (or between turns) for `e` seconds: its next prefill arrives with the
       learned tool-latency distribution conditioned on having lasted `e`, times the
       probability that another turn follows; its size is the trajectory's mean tool output.
-    - Decoding: it leaves decode after its remaining output, estimated from its GRPO group's
-      output lengths (log-normal, conditioned on what it has generated so far).
+    - Decoding for `e` seconds: it leaves decode with the learned decode-duration
+      distribution (Kaplan-Meier, the running decodes censored), stretched by its GRPO
+      group's length factor and conditioned on having lasted `e`.
     - Then the cycle repeats inside the horizon: prefills enter decode after the observed
-      prefill latency, stay for a log-normal output length, go to a tool, come back.
+      prefill latency, stay for a duration drawn from the same distribution (continued
+      memorylessly past the longest that ended), go to a tool, come back with their
+      context grown by their output and the tool's.
     - Arrivals: none in `sync` mode (the batch is known). In `async` mode the trainer keeps
       a number of trajectories in flight: each one that ends is replaced (at the recent
       ratio of starts to ends, so a trainer that has stopped admitting is followed), and a
