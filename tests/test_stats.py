@@ -119,14 +119,15 @@ def test_durations_weighted_by_their_start_give_the_true_survival() -> None:
 
 
 def test_the_tail_past_the_longest_ended_duration_decays() -> None:
-    """Kaplan-Meier is flat past the longest duration seen to end; with `tail` what is still
+    """Kaplan-Meier is flat past the longest duration seen to end; with a tail what is still
     running ends memorylessly, about as long again as the longest that ended."""
     h = LogHistogram()
     for _ in range(50):
         h.add(10.0)
     cens = [0.0] * h.bins
     cens[h.index(40.0)] = 50.0  # as many still running after 40 s
-    flat, tail = h.survival_table(cens), h.survival_table(cens, tail=True)
+    flat = h.survival_table(cens)
+    tail = h.with_tail(flat)
     assert h.survival(15.0, flat) == pytest.approx(0.5) == h.survival(1000.0, flat)
     assert h.survival(9.0, tail) == h.survival(9.0, flat)  # up to the last ended: the same
     assert 0.05 < h.survival(25.0, tail) < h.survival(15.0, tail) < 0.5  # then it decays

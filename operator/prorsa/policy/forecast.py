@@ -307,8 +307,8 @@ class LifecycleForecaster:
 
         # Today's decodes leaving in fine bin m (index m_bins: after the horizon).
         leave = np.zeros(m_bins + 1)
-        if dhist.total > 0:
-            dsurv = dhist.survival_table(in_decode.tolist(), now)
+        dsurv = dhist.survival_table(in_decode.tolist(), now) if dhist.total > 0 else None
+        if dsurv is not None:
             cells = np.flatnonzero(dec_cells)
             c_gb, c_bin = np.divmod(cells, nd)
             probs = _returns(dhist, dsurv, dhist.mid(c_bin), f / _GF_REP[c_gb], m_bins, dt)
@@ -355,7 +355,7 @@ class LifecycleForecaster:
         # decodes back to prefill too soon.
         d_exit = _returns(
             dhist,
-            dhist.survival_table(in_decode.tolist(), now, tail=True) if dhist.total > 0 else None,
+            dhist.with_tail(dsurv) if dsurv is not None else None,
             np.zeros(1),
             np.full(1, f),
             m_bins,

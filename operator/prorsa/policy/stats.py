@@ -152,9 +152,7 @@ class LogHistogram:
         w: np.ndarray = np.exp(-self._rate * np.maximum(elapsed, 0.0))
         return w
 
-    def survival_table(
-        self, censored: list[float] | None = None, now: float = 0.0, tail: bool = False
-    ) -> list[float]:
+    def survival_table(self, censored: list[float] | None = None, now: float = 0.0) -> list[float]:
         """S at each upper bin edge: P(X > edge(i)).
 
         `censored[i]` counts durations still running with their elapsed time in bin i (tool
@@ -166,10 +164,8 @@ class LogHistogram:
         fade while the running ones count in full, and durations longer than the half-life
         come out longer still).
 
-        Kaplan-Meier says nothing past the longest duration that ended: S stays flat there.
-        `tail`: past it S decays memorylessly with that duration as the mean (what has lasted
-        t is expected to last about t more), so the share still running is neither dropped
-        nor held forever.
+        Kaplan-Meier says nothing past the longest duration that ended: S stays flat there
+        (see `with_tail`).
         """
         if self.total <= 0:
             return [0.0] * self.bins
@@ -184,12 +180,21 @@ class LogHistogram:
                 s *= max(0.0, 1.0 - done[i] / at_risk)
             out.append(s)
             at_risk -= done[i] + cens[i]
-        last = max((i for i in range(self.bins) if done[i] > 0), default=-1)
-        if tail and 0 <= last < self.bins - 1 and out[last] > 0:
-            t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
-            for i in range(last + 1, self.bins):
-                out[i] = out[last] * math.exp(-(self.lo * self.ratio**i - t_last) / t_last)
         return out
+
+    def with_tail(self, table: list[float]) -> list[float]:
+        """`table` continued past the longest duration that ended, where Kaplan-Meier is
+        flat: S decays memorylessly with that duration as the mean (what has lasted t is
+        expected to last about t more), so the share still running is neither dropped nor
+        held forever."""
+        last = max((i for i, c in enumerate(self.counts) if c > 0), default=-1)
+        if not 0 <= last < self.bins - 1 or table[last] <= 0:
+            return table
+        t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
+        return table[: last + 1] + [
+            table[last] * math.exp(-(self.lo * self.ratio**i - t_last) / t_last)
+            for i in range(last + 1, self.bins)
+        ]
 
     def survival_array(self, t: np.ndarray, table: list[float]) -> np.ndarray:
         """`survival` of every element."""
