@@ -257,3 +257,18 @@ def test_demand_is_what_a_decode_worker_computes_and_the_pool_is_priced_by_what_
     unreported.apply(Event(EventType.TURN_SUBMIT, "b", 0.5, prompt_tokens=1500,
                            uncached_tokens=1500))  # fmt: skip
     assert unreported.submitted_tokens_total == 1500
+
+
+def test_tool_calls_are_learned_as_of_their_start_like_the_calls_still_running() -> None:
+    """Two calls end together, one of 300 s and one of 10 s: the long one began 290 s
+    earlier and weighs that much less (the weight a call still running at that age gets as
+    a censored duration); weighted by their end, long calls would come out longer still."""
+    tab = LifecycleTable()
+    for tid, began in (("long", 0.0), ("short", 290.0)):
+        tab.apply(start(tid, began))
+        tab.apply(Event(EventType.TOOL_START, tid, began))
+    tab.ingest([Event(EventType.TOOL_END, t, 300.0) for t in ("long", "short")])
+    h = tab.stats.tool_latency
+    ratio = h.counts[h.index(300.0)] / h.counts[h.index(10.0)]
+    assert ratio == pytest.approx(float(h.start_weights(np.array([290.0]))[0]), rel=1e-6)
+    assert ratio < 0.8

@@ -296,7 +296,8 @@ class LifecycleForecaster:
         t_bin = hist.index_array(np.maximum(w_elapsed[rest], 0.0))
         bin_tokens = np.bincount(t_bin, tokens[rest], minlength=nb)
         bin_count = np.bincount(t_bin, p_next[rest], minlength=nb)
-        in_tool = np.bincount(t_bin, minlength=nb).astype(np.float64)
+        # the calls in flight as censored durations, weighted as of their start (as learned)
+        in_tool = np.bincount(t_bin, hist.start_weights(w_elapsed[rest]), minlength=nb)
 
         # Population averages for the chain below.
         pop_n = decoding + float(w_depth.size)

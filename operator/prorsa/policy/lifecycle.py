@@ -278,7 +278,8 @@ class LifecycleTable:
         )
         st.prefill_latency_s.add_all(learn.records(learn.prefill_s, 1)[0])
         seconds, ts = learn.records(learn.tool_s, 2)
-        st.tool_latency.add_all(seconds, ts)
+        # weighted as of the call's start, like the calls still running (see survival_table)
+        st.tool_latency.add_all(seconds, ts - seconds)
         self._learn_decodes(*learn.records(learn.decodes, 4))
 
     def _learn_decodes(
