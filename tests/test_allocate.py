@@ -228,6 +228,33 @@ def test_prefill_slows_with_the_context_it_attends_to() -> None:
     assert cap.prefill_slowdown(0) >= 0.1
 
 
+def test_a_prefill_requests_fixed_cost_slows_short_requests_not_the_quoted_rate() -> None:
+    """The rate is quoted at 1,024-token requests; a request's fixed part (20 ms of the 51 ms
+    there) makes 100-token requests run at well under half that rate."""
+    quoted = RoleCapacity(20_000.0, 0.01, 1e-5, 1e-8, 1e6)
+    fixed = replace(quoted, prefill_request_s=0.02)
+    for c in (quoted, fixed):
+        assert c.prefill_s(1024, c.prefill_context) == pytest.approx(1024 / 20_000)
+    assert quoted.prefill_rate(100, quoted.prefill_context) == 20_000.0
+    assert fixed.prefill_s(100, fixed.prefill_context) == pytest.approx(
+        0.02 + 100 * 0.0512 / 1024 - 100 * 0.02 / 1024
+    )
+    assert fixed.prefill_rate(100, fixed.prefill_context) < 0.4 * 20_000
+
+
+def test_a_pool_of_short_requests_pays_their_fixed_cost_appends_in_decode_steps_do_not() -> None:
+    """The same token demand in 100-token requests: with a fixed cost per request a pool
+    worker serves under half the tokens it would at the quoted rate, while an append riding
+    in a decode step shares that step's fixed work; the allocator keeps fewer in the pool."""
+    demand = replace(flat(prefill_tps=60_000, seqs=50), mean_prefill_tokens=100.0)
+    settings = AllocationSettings(cooldown_s=0)
+    quoted = PredictivePolicy(settings, CAP).decide(view(1, 15), demand, now=0.0)
+    fixed = replace(CAP, prefill_request_s=0.02)
+    paid = PredictivePolicy(settings, fixed).decide(view(1, 15), demand, now=0.0)
+    assert quoted.target.prefill >= 2
+    assert paid.target.prefill < quoted.target.prefill
+
+
 def test_on_expert_parallel_slots_a_local_append_costs_what_the_lockstep_step_says() -> None:
     """DeepSeek-V3 slots as the simulator lays them out (4 prefill EP8 engines or 1 decode
     EP32 engine): what the allocator charges a decode step for carrying an append (its tokens

@@ -4,6 +4,7 @@ uncertainty, forgetting slowly."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -67,6 +68,20 @@ def test_evidence_moves_it_to_the_truth_and_shrinks_the_uncertainty() -> None:
     assert after["prefill_rel_sd"] < 0.2 * before["prefill_rel_sd"]
     assert after["decode_rel_sd"] < 0.2 * before["decode_rel_sd"]
     assert after["prefill_samples"] > 250
+
+
+def test_it_learns_what_a_request_costs_whatever_its_size() -> None:
+    """The cluster pays 4 ms per prefill request: the learned capacity prices short and long
+    requests as the cluster runs them, where the rate quoted at 1,024 tokens alone would
+    price a 100-token request 30% too fast."""
+    est = CapacityEstimator(PRIOR)
+    feed(est, 300, random.Random(2))
+    cap = est.capacity()
+    assert cap.prefill_request_s == pytest.approx(0.004, rel=0.25)
+    for tokens, ctx in ((100, 0.0), (1024, 8192.0), (4000, 30_000.0)):
+        assert cap.prefill_s(tokens, ctx) == pytest.approx(true_prefill_s(tokens, ctx), rel=0.06)
+    rate_only = replace(cap, prefill_request_s=0.0)
+    assert rate_only.prefill_s(100, 0.0) < 0.75 * true_prefill_s(100, 0.0)
 
 
 def test_outliers_barely_move_it() -> None:

@@ -477,6 +477,7 @@ class Capacity(_Model):
         default="preset", description="learned: corrected online from the workers' metrics."
     )
     prefillTokensPerSecond: float = Field(default=0.0, description="One prefill worker.")
+    prefillSecondsPerRequest: float = Field(default=0.0, description="A prefill's fixed part.")
     decodeBaseStepSeconds: float = Field(default=0.0, description="A decode step's fixed part.")
     decodeSecondsPerSequence: float = Field(default=0.0, description="Per sequence in a step.")
     decodeSecondsPerKvToken: float = Field(default=0.0, description="Per KV token read a step.")

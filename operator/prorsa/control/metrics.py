@@ -75,6 +75,7 @@ def capacity_figures(c: RoleCapacity) -> dict[str, float]:
     """The figures of a capacity the operator shows (status, metrics), in base units."""
     return {
         "prefill_tokens_per_second": c.prefill_tokens_per_s,
+        "prefill_seconds_per_request": c.prefill_request_s,
         "decode_base_step_seconds": c.decode_base_step_s,
         "decode_seconds_per_sequence": c.decode_s_per_seq,
         "decode_seconds_per_kv_token": c.decode_s_per_kv_token,

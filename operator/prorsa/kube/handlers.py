@@ -76,6 +76,7 @@ def capacity_status(c: RoleCapacity, evidence: dict[str, float] | None) -> dict[
     out: dict[str, Any] = {
         "source": "learned" if evidence is not None else "preset",
         "prefillTokensPerSecond": round(c.prefill_tokens_per_s, 1),
+        "prefillSecondsPerRequest": round(c.prefill_request_s, 6),
         "decodeBaseStepSeconds": round(c.decode_base_step_s, 6),
         "decodeSecondsPerSequence": round(c.decode_s_per_seq, 8),
         "decodeSecondsPerKvToken": float(f"{c.decode_s_per_kv_token:.4g}"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ class Calibration:
     kv_capacity_tokens: float
 
     def capacity(self, switch_s: float = 0.0) -> RoleCapacity:
+        quoted = self.prefill_fixed_s + PREFILL_QUOTED_TOKENS / self.prefill_tokens_per_s
         return RoleCapacity(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefill_tokens_per_s=PREFILL_QUOTED_TOKENS / quoted,
+            prefill_request_s=self.prefill_fixed_s,
             decode_base_step_s=self.decode_step_s,
             decode_s_per_seq=self.decode_s_per_seq,
             decode_s_per_kv_token=0.0,
@@ -53,7 +55,7 @@ def agreement(
     kv = 50.0 * batch if kv is None else kv
     cal_prefill = cal.prefill_fixed_s + tokens / cal.prefill_tokens_per_s
     cal_step = cal.decode_step_s + cal.decode_s_per_seq * max(batch - 1, 0.0)
-    prefill = tokens / learned.prefill_tokens_per_s * learned.prefill_slowdown(context)
+    prefill = learned.prefill_s(tokens, context)
     return {
         "prefill_s": prefill / cal_prefill - 1.0,
         "decode_step_s": learned.decode_step_s(batch, kv) / cal_step - 1.0,

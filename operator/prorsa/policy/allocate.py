@@ -354,7 +354,10 @@ class PredictivePolicy(Policy):
         # A switched worker drains and takes no new work of either role meanwhile, then
         # restarts: it serves neither role for that long. A decode worker drains for about
         # one decode's time; a prefill worker only for the request it is prefilling.
-        drain_s = fc.mean_decode_s if p > cur_p else mean_req / cap.prefill_tokens_per_s
+        if p > cur_p:
+            drain_s = fc.mean_decode_s
+        else:
+            drain_s = mean_req / cap.prefill_rate(mean_req, cap.prefill_context)
         away_s = cap.switch_s + drain_s
         # Recompute scales with the share of live contexts the decode workers cannot hold
         # (the forecast saw it at the current split; fewer decode workers evict more).
@@ -412,7 +415,9 @@ class PredictivePolicy(Policy):
         # The pool computes more than its share of the demand: the context a trajectory's
         # decode worker holds and a pool worker does not (`pool_amplification`).
         remote = demand * fc.remote_prefill_share + backlog / dt
-        served = min(remote, p * cap.prefill_tokens_per_s / slow / fc.pool_amplification)
+        # A pool request computes the turn's tokens and what it recomputes of the context.
+        pool_rate = cap.prefill_rate(mean_req * fc.pool_amplification, kv_seq)
+        served = min(remote, p * pool_rate / fc.pool_amplification)
         local = max(demand + backlog / dt - served, 0.0)  # the router spills what it cannot take
         if d <= 0:
             return seqs * dt, 0.0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFILL_QUOTED_TOKENS = 1024.0  # the prefill size `RoleCapacity.prefill_tokens_per_s` is quoted at
+
 
 @dataclass(frozen=True, slots=True)
 class RoleCapacity:
@@ -33,6 +35,10 @@ class RoleCapacity:
     # per new token (attention over the cached prefix). 0: no context dependence known.
     prefill_s_per_token_per_context: float = 0.0
     prefill_context: float = 8192.0
+    # Seconds every prefill request costs whatever its size (scheduling, the step's fixed
+    # work, the first token): part of `prefill_tokens_per_s` as quoted at
+    # PREFILL_QUOTED_TOKENS new tokens, so short requests run below that rate (0: unknown).
+    prefill_request_s: float = 0.0
 
     @property
     def local_prefill_rate(self) -> float:
@@ -53,6 +59,21 @@ class RoleCapacity:
         base = 1.0 / self.prefill_tokens_per_s
         extra = self.prefill_s_per_token_per_context * (context - self.prefill_context)
         return max(0.1, (base + extra) / base)
+
+    def prefill_s(self, tokens: float, context: float) -> float:
+        """Seconds one prefill request of `tokens` new tokens attending `context` takes: its
+        fixed cost, then its tokens at the rate the quoted one leaves, slowed by the context."""
+        quoted = PREFILL_QUOTED_TOKENS / self.prefill_tokens_per_s
+        fixed = min(max(self.prefill_request_s, 0.0), 0.9 * quoted)
+        per_token = (quoted - fixed) / PREFILL_QUOTED_TOKENS
+        extra = self.prefill_s_per_token_per_context * (context - self.prefill_context)
+        return fixed + max(tokens, 0.0) * max(0.1 * per_token, per_token + extra)
+
+    def prefill_rate(self, tokens: float, context: float) -> float:
+        """Tokens/s one worker prefills in requests of `tokens` new tokens at `context`."""
+        if not self.prefill_request_s:  # the quoted rate holds at every size
+            return self.prefill_tokens_per_s / self.prefill_slowdown(context)
+        return max(tokens, 1.0) / self.prefill_s(max(tokens, 1.0), context)
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         return (

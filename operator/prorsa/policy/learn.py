@@ -22,9 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS as TYPICAL_NEW
 from prorsa.policy.capacity import RoleCapacity
-
-TYPICAL_NEW = 1024.0  # the prefill size `RoleCapacity.prefill_tokens_per_s` is quoted at
 
 
 @dataclass
@@ -123,8 +122,9 @@ class CapacityEstimator:
         p = self.prior
         per_token = 1.0 / p.prefill_tokens_per_s
         c2 = p.prefill_s_per_token_per_context
-        c1 = max(per_token - c2 * p.prefill_context, 0.1 * per_token)
-        mu = np.array([0.0, c1, c2])
+        c0 = p.prefill_s(0.0, p.prefill_context)  # the prior's fixed cost per request
+        c1 = max(per_token - c0 / TYPICAL_NEW - c2 * p.prefill_context, 0.1 * per_token)
+        mu = np.array([c0, c1, c2])
         floor = np.array([0.05 * TYPICAL_NEW * per_token, 0.1 * per_token, 0.1 * per_token / 8192])
         self._prefill = _Fit(mu, _sd(mu, self.prior_rel_sd, floor), self.noise_rel,
                              self.half_life_s)  # fmt: skip
@@ -185,6 +185,7 @@ class CapacityEstimator:
             p,
             prefill_tokens_per_s=prefill,
             prefill_s_per_token_per_context=c2,
+            prefill_request_s=max(c0, 0.0),
             decode_base_step_s=max(base, 1e-6),
             decode_s_per_seq=max(per_seq, 0.0),
             decode_s_per_kv_token=max(per_kv, 0.0),

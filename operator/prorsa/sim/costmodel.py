@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
 from prorsa.sim.hardware import Hardware, ModelSpec
 
 
@@ -161,7 +161,7 @@ class CostModel(OneGPUWorker):
     # ---- what the allocator needs ----------------------------------------------------------
 
     def role_capacity(
-        self, typical_context: float = 8192.0, typical_new: float = 1024.0
+        self, typical_context: float = 8192.0, typical_new: float = PREFILL_QUOTED_TOKENS
     ) -> RoleCapacity:
         """The allocator's linearised view of this cost model."""
         per_req = self.prefill_s(typical_new, typical_context)
@@ -246,8 +246,10 @@ class MeasuredCost(OneGPUWorker):
         return self.transfer_s
 
     def role_capacity(self) -> RoleCapacity:
+        quoted = self.prefill_s(PREFILL_QUOTED_TOKENS, 0.0)
         return RoleCapacity(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefill_tokens_per_s=PREFILL_QUOTED_TOKENS / quoted,
+            prefill_request_s=self.prefill_fixed_s,
             decode_base_step_s=self.decode_base_s,
             decode_s_per_seq=self.decode_per_seq_s,
             decode_s_per_kv_token=0.0,
@@ -318,6 +320,7 @@ class ScaledCost:
             c,
             prefill_tokens_per_s=c.prefill_tokens_per_s * s,
             prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / s,
+            prefill_request_s=c.prefill_request_s / s,
             local_prefill_tokens_per_s=c.local_prefill_tokens_per_s * s,
             local_prefill_rank_tokens_per_s=c.local_prefill_rank_tokens_per_s * s,
             local_prefill_rank_s_per_token_per_context=c.local_prefill_rank_s_per_token_per_context

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
 from prorsa.sim.costmodel import Efficiency
 from prorsa.sim.hardware import Hardware, ModelSpec, interp, low_latency_a2a_s, normal_a2a_bw
 
@@ -276,7 +276,7 @@ class LockstepCost:
     # ---- what the allocator needs ------------------------------------------------------------
 
     def role_capacity(
-        self, typical_context: float = 8192.0, typical_new: float = 1024.0
+        self, typical_context: float = 8192.0, typical_new: float = PREFILL_QUOTED_TOKENS
     ) -> RoleCapacity:
         """The allocator's linearised view of one unit: prefill throughput at typical sizes;
         decode step as base + per sequence + per KV token, fitted around a typical batch."""

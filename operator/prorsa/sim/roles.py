@@ -87,6 +87,7 @@ class Slot:
             local_prefill_rank_s_per_token_per_context=c.local_prefill_rank_s_per_token_per_context,
             prefill_s_per_token_per_context=c.prefill_s_per_token_per_context / e,
             prefill_context=c.prefill_context,
+            prefill_request_s=c.prefill_request_s / e,  # e requests at once
         )
 
 
@@ -161,6 +162,7 @@ class RoleCosts:
             local_prefill_rank_s_per_token_per_context=d.local_prefill_rank_s_per_token_per_context,
             prefill_s_per_token_per_context=p.prefill_s_per_token_per_context,
             prefill_context=p.prefill_context,
+            prefill_request_s=p.prefill_request_s,
         )
 
 
