@@ -187,6 +187,25 @@ def test_colocated_workers_shed_trajectories_like_the_router_does() -> None:
     assert w is others[0] and local
 
 
+def test_a_moved_trajectorys_turn_reports_the_prefix_its_old_home_holds() -> None:
+    """The crowded home that prefills a moved trajectory's turn holds its context: the turn's
+    demand is its new tokens, as computed, not a recompute of the whole context (which
+    the forecast would learn as evictions that never happened)."""
+    sim = _sim("swe", "colocated", gpus=4, n=48)
+    crowded = sim.workers[0]
+    for tr in sim.trajs[:20]:
+        sim.router.set_home(tr, crowded)
+    moved = sim.trajs[1]
+    moved.context = 2800
+    crowded.cache[moved.idx] = 2800
+    new = moved.script.turns[moved.turn].new_tokens
+    sim._submit_turn(moved)
+    ev = sim.events[-1]
+    assert ev.type == EventType.TURN_SUBMIT and sim.workers[moved.decode_home] is not crowded
+    assert ev.uncached_tokens == new
+    assert ev.held_tokens == 2800 and ev.prompt_tokens - ev.held_tokens == new
+
+
 def test_a_colocated_cluster_is_a_decode_pool_without_a_prefill_pool() -> None:
     """Mixed workers are placed by the router's rules like decode workers, and with no prefill
     pool every decode worker prefills its own turns: the same cluster, the same run."""

@@ -199,6 +199,10 @@ class Simulator:
         compute = max(prompt - cached, 1)
         home = self.workers[tr.decode_home] if tr.decode_home >= 0 else None
         held = min(home.cached(tr.idx), prompt - 1) if home is not None else 0
+        if not local and w.accepts(Role.DECODE):
+            # a trajectory moved to a new home: its old one, which holds the prefix, prefills
+            # the turn and hands the KV over (the new home holds nothing yet)
+            held = max(held, min(w.cached(tr.idx), prompt - 1))
         self._emit(
             EventType.TURN_SUBMIT,
             tr,
