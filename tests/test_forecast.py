@@ -136,8 +136,9 @@ def test_lifecycle_uses_tool_hints() -> None:
 
 def test_sync_mode_expects_no_new_trajectories_async_does() -> None:
     tab = LifecycleTable()
-    sync = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0)
-    asy = LifecycleForecaster("async", calibration=0.0, smoothing=0.0)
+    # the model's own forecasts, trusted without evidence (min_evidence 0)
+    sync = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    asy = LifecycleForecaster("async", calibration=0.0, smoothing=0.0, min_evidence=0)
     sync.forecast(tab, 0.0, H)
     asy.forecast(tab, 0.0, H)
     for i in range(50):
@@ -203,6 +204,27 @@ def test_forecasts_made_before_the_evidence_are_not_learned_from() -> None:
             tab.ingest([submit(f"n{min_evidence}-{k}", 100.0 + 5 * k, 50_000)])
             f.forecast(tab, 100.0 + 5 * k, H)
         assert f._cal is not None and (f._cal.gain_p[0] != 1.0) == learned
+
+
+def test_before_the_evidence_the_prefill_forecast_leans_on_persistence() -> None:
+    """With no decode ended, the turns that come back are priced by the priors alone
+    (continuation, tool output, decode length): the forecast is the rate just seen; the model
+    takes over as decodes end, wholly at `min_evidence`."""
+
+    def forecast(taught: int) -> list[float]:
+        tab = LifecycleTable()
+        _teach(tab, taught, out=100, tool_s=1.0)  # two decodes each
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=100)
+        f.forecast(tab, 100.0, H)
+        for i in range(100):  # 500 tokens each in (100 s, 105 s]: 10,000 tok/s
+            tab.apply(Event(EventType.TRAJ_START, f"live{i}", 101.0))
+            tab.apply(submit(f"live{i}", 101.0, 500))
+            tab.apply(Event(EventType.PREFILL_DONE, f"live{i}", 102.0, tokens=500, seconds=1.0))
+        return f.forecast(tab, 105.0, H).prefill_tokens_per_s
+
+    assert forecast(0) == pytest.approx([10_000.0] * 12)
+    model = forecast(50)  # 100 decodes ended: the model's own forecast
+    assert max(abs(x - 10_000.0) for x in model) > 2_000.0
 
 
 def test_blend_turns_to_persistence_where_the_model_keeps_missing() -> None:
