@@ -23,7 +23,7 @@ from prorsa.policy.allocate import Role
 from prorsa.policy.events import EventType
 from prorsa.router.app import Router, RouterConfig
 from prorsa.router.discovery import Endpoint, StaticDiscovery, parse_static
-from prorsa.router.placement import Placement, TurnFacts
+from prorsa.router.placement import Placement, Plan, TurnFacts
 from prorsa.router.pool import Pool
 from prorsa.router.requests import ApiError, Kind, parse_turn
 
@@ -176,6 +176,52 @@ def test_a_worker_hosting_far_more_than_its_share_sheds_a_trajectory() -> None:
         _facts(new_tokens=50, sticky="d0", extends_context=True)
     )
     assert plan is not None and plan.decode.name == "d1"
+
+
+def test_the_worker_a_trajectory_leaves_hands_its_context_over() -> None:
+    """In `routing` mode every engine produces and consumes KV: the crowded worker, which
+    still holds the context, prefills the moved turn and the new worker pulls the KV (as the
+    simulator models it); nothing is recomputed, and the turn reports so."""
+    from prorsa.router.tokens import TokenCounter
+    from prorsa.router.trajectories import Trajectories
+
+    pool = _pool("p0=http://p@prefill", "d0=http://a@decode", "d1=http://b@decode")
+    placement = Placement(pool, hosted={"d0": 30, "d1": 2})
+    moved = _facts(prompt_tokens=5000, new_tokens=50, sticky="d0", extends_context=True)
+    plan = placement.plan(moved)
+    assert plan is not None and plan.handoff and not plan.pool_worthy
+    assert (plan.prefill.name if plan.prefill else None, plan.decode.name) == ("d0", "d1")
+    # no handoff: in restart mode (a decode engine only consumes KV), from a worker that is
+    # gone, for a turn that does not extend the context, or when the trajectory stays put
+    for facts, excluded in (
+        (replace(moved, routing_switch=False), frozenset[str]()),
+        (moved, frozenset({"d0"})),
+        (replace(moved, extends_context=False), frozenset[str]()),
+    ):
+        other = placement.plan(facts, excluded)
+        assert other is not None and not other.handoff and other.decode.name == "d1"
+    calm = Placement(pool, hosted={"d0": 3, "d1": 2}).plan(moved)
+    assert calm is not None and not calm.handoff and calm.decode.name == "d0"
+
+    class Sink:
+        def __init__(self) -> None:
+            self.events: list[Any] = []
+
+        def emit(self, ev: Any) -> None:
+            self.events.append(ev)
+
+    sink = Sink()
+    trajs = Trajectories(sink, TokenCounter())  # type: ignore[arg-type]
+    body = {"model": "m", "prompt": list(range(100))}
+    first = trajs.begin(_turn(body, headers={"X-Prorsa-Trajectory": "t"}))
+    trajs.submitted(first, Plan(pool.workers["d0"], None, True, False))
+    trajs.decode_done(first, "d0", prompt_tokens=100, output_tokens=20)
+    body = {"model": "m", "prompt": list(range(100)) + list(range(20)) + [7] * 30}
+    second = trajs.begin(_turn(body, headers={"X-Prorsa-Trajectory": "t"}))
+    trajs.submitted(second, Plan(pool.workers["d1"], pool.workers["d0"], False, False, True))
+    ev = sink.events[-1]
+    assert ev.type == EventType.TURN_SUBMIT
+    assert (ev.prompt_tokens, ev.uncached_tokens, ev.held_tokens) == (150, 30, 120)
 
 
 def test_static_worker_specs() -> None:

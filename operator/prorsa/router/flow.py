@@ -99,6 +99,14 @@ def _error_event(message: str) -> bytes:
     return b"data: " + json.dumps(err).encode() + b"\n\n"
 
 
+def _path(plan: Plan) -> str:
+    """The metrics' name for how a turn ran: `split` (prefill pool, then decode), `handoff`
+    (the worker a trajectory left prefills it for the new one) or `local` (one worker)."""
+    if plan.prefill is None:
+        return "local"
+    return "handoff" if plan.handoff else "split"
+
+
 def _asks_for_tool(resp: dict[str, Any]) -> bool:
     return any(c.get("finish_reason") == "tool_calls" for c in resp.get("choices") or ())
 
@@ -142,7 +150,7 @@ class Flow:
             if not submitted:  # once per turn, whatever the retries
                 self.trajectories.submitted(rec, plan)
                 submitted = True
-            path = "split" if plan.prefill is not None else "local"
+            path = _path(plan)
             try:
                 if turn.stream:
                     resp = await self._stream(request, turn, rec, plan, t0)
@@ -205,8 +213,11 @@ class Flow:
             raise WorkerFailed(w, "answered with invalid JSON", eject=False)
         return data, out
 
-    async def _prefill(self, turn: Turn, rec: TurnRecord, p: Worker) -> dict[str, Any]:
-        """Run the prefill; return the KV transfer parameters for the decode worker.
+    async def _prefill(
+        self, turn: Turn, rec: TurnRecord, p: Worker, handoff: bool = False
+    ) -> dict[str, Any]:
+        """Run the prefill; return the KV transfer parameters for the decode worker. In a
+        handoff `p` holds the context and computes only the turn's new tokens.
 
         The caller keeps `p.prefill_inflight` raised until the decode has pulled the KV: the
         blocks live on `p` until then, so a drain of `p` must wait for the pull too.
@@ -229,14 +240,16 @@ class Flow:
                 p, "prefill returned no kv_transfer_params (no KV connector?)", False
             )
         tokens = int((resp.get("usage") or {}).get("prompt_tokens") or rec.prompt_tokens)
-        self.placement.learn_prefill_rate(tokens, time.monotonic() - t0)
+        if handoff:
+            tokens = self._local_prefill_tokens(rec, tokens)
+        else:
+            self.placement.learn_prefill_rate(tokens, time.monotonic() - t0)
         self.trajectories.prefill_done(rec, p.name, tokens)
         return kv
 
-    def _local_prefill_tokens(self, rec: TurnRecord, plan: Plan, prompt_tokens: int) -> int:
-        if plan.holds_prefix:
-            return max(prompt_tokens - (rec.prompt_tokens - rec.facts.new_tokens), 1)
-        return prompt_tokens
+    def _local_prefill_tokens(self, rec: TurnRecord, prompt_tokens: int) -> int:
+        """Tokens a worker holding the trajectory's context computes of this prompt."""
+        return max(prompt_tokens - (rec.prompt_tokens - rec.facts.new_tokens), 1)
 
     async def _unary(self, turn: Turn, rec: TurnRecord, plan: Plan, t0: float) -> web.Response:
         d, p = plan.decode, plan.prefill
@@ -246,7 +259,8 @@ class Flow:
         d.decode_inflight += 1
         try:
             if p is not None:
-                body = {**body, "kv_transfer_params": await self._prefill(turn, rec, p)}
+                kv = await self._prefill(turn, rec, p, plan.handoff)
+                body = {**body, "kv_transfer_params": kv}
             raw, resp = await self._post(d, turn, body)
         finally:
             d.decode_inflight -= 1
@@ -256,14 +270,14 @@ class Flow:
         prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
         output_tokens = int(usage.get("completion_tokens") or 0)
         if p is None:  # served whole: prefill completion is only known with the answer
-            self.trajectories.prefill_done(
-                rec, d.name, self._local_prefill_tokens(rec, plan, prompt_tokens)
-            )
+            held = plan.holds_prefix
+            computed = self._local_prefill_tokens(rec, prompt_tokens) if held else prompt_tokens
+            self.trajectories.prefill_done(rec, d.name, computed)
         self.trajectories.decode_done(
             rec, d.name, prompt_tokens, output_tokens, tool_call=_asks_for_tool(resp)
         )
         self.metrics.tokens(prompt_tokens, output_tokens)
-        self.metrics.ttft.labels(path="split" if p else "local").observe(time.monotonic() - t0)
+        self.metrics.ttft.labels(path=_path(plan)).observe(time.monotonic() - t0)
         return web.Response(body=raw, content_type="application/json")
 
     async def _stream(
@@ -283,7 +297,7 @@ class Flow:
         d.decode_inflight += 1
         try:
             if p is not None:
-                body["kv_transfer_params"] = await self._prefill(turn, rec, p)
+                body["kv_transfer_params"] = await self._prefill(turn, rec, p, plan.handoff)
             try:
                 async with self.session.post(d.ep.url + turn.kind.path, json=body) as r:
                     if r.status >= 400:
@@ -295,7 +309,7 @@ class Flow:
                                 p_held = False
                             else:
                                 self.trajectories.prefill_done(rec, d.name, rec.prompt_tokens)
-                            self.metrics.ttft.labels(path="split" if p else "local").observe(
+                            self.metrics.ttft.labels(path=_path(plan)).observe(
                                 time.monotonic() - t0
                             )
                             out = web.StreamResponse(headers=_SSE_HEADERS)

@@ -33,6 +33,9 @@ class Plan:
     prefill: Worker | None
     pool_worthy: bool  # reported in turn_submit, pool or not
     holds_prefix: bool
+    # A handoff: the trajectory moved off a crowded decode worker, which still holds its
+    # context and prefills the turn for the new one (only the new tokens are computed).
+    handoff: bool = False
 
 
 Filter = Callable[[Worker, TurnFacts], bool]
@@ -113,6 +116,20 @@ class Placement:
         # No decode-capable worker: any healthy worker serves the whole turn.
         return chosen or pick(workers, facts, [healthy], [inflight])
 
+    def _old_home(self, workers: list[Worker], d: Worker, facts: TurnFacts) -> Worker | None:
+        """The decode worker a trajectory was just moved off, if it can hand the context over:
+        it still holds it and, in `routing` switch mode (every engine both produces and
+        consumes KV), prefills the turn for the new worker, which pulls the KV, instead of
+        the context being recomputed."""
+        if not (facts.extends_context and facts.routing_switch and facts.can_split):
+            return None
+        if facts.sticky is None or facts.sticky == d.name:
+            return None
+        old = next((w for w in workers if w.name == facts.sticky), None)
+        if old is None or not (healthy(old, facts) and serves_decode(old, facts)):
+            return None
+        return old
+
     def plan(self, facts: TurnFacts, exclude: frozenset[str] = frozenset()) -> Plan | None:
         """None when no healthy worker is left (the caller answers 503)."""
         workers = [w for w in self.pool.workers.values() if w.name not in exclude]
@@ -120,6 +137,9 @@ class Placement:
         if d is None:
             return None
         holds = facts.extends_context and d.name == facts.sticky
+        old = self._old_home(workers, d, facts)
+        if old is not None:
+            return Plan(d, old, False, False, handoff=True)
         worthy = pool_worthy(self.settings, holds, facts.new_tokens)
         local = Plan(d, None, worthy, holds)
         if not (worthy and facts.can_split and serves_decode(d, facts)):

@@ -137,9 +137,12 @@ class Trajectories:
         )
 
     def submitted(self, rec: TurnRecord, plan: Plan) -> None:
-        uncached = rec.prompt_tokens
-        if plan.prefill is None and plan.holds_prefix:
-            uncached = rec.facts.new_tokens
+        # The context is held by the decode worker (a local append, or a split turn whose
+        # decode worker holds it while a pool recomputes it) or, in a handoff, by the worker
+        # the trajectory leaves, which prefills only the new tokens.
+        holds = plan.holds_prefix or plan.handoff
+        computes_new = plan.handoff or (plan.prefill is None and plan.holds_prefix)
+        uncached = rec.facts.new_tokens if computes_new else rec.prompt_tokens
         self._emit(
             Event(
                 EventType.TURN_SUBMIT,
@@ -148,8 +151,7 @@ class Trajectories:
                 prompt_tokens=rec.prompt_tokens,
                 uncached_tokens=max(uncached, 1),
                 remote=plan.pool_worthy,
-                # a prefill worker holds none of it (workers cannot pull a prefix yet)
-                held_tokens=rec.prompt_tokens - rec.facts.new_tokens if plan.holds_prefix else 0,
+                held_tokens=rec.prompt_tokens - rec.facts.new_tokens if holds else 0,
                 pool_tokens=rec.prompt_tokens,
             )
         )
