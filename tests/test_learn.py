@@ -84,6 +84,18 @@ def test_it_learns_what_a_request_costs_whatever_its_size() -> None:
     assert rate_only.prefill_s(100, 0.0) < 0.75 * true_prefill_s(100, 0.0)
 
 
+def test_a_window_of_few_steps_teaches_less_than_one_of_many() -> None:
+    """A worker's metrics between two reads are a mean over its steps: a window in which a
+    mostly idle decode worker ran a handful of them is a noisy mean and counts for less."""
+    moved = {}
+    for steps in (4.0, 400.0):
+        est = CapacityEstimator(PRIOR)
+        est.observe_decode_step(2, 1e3, 1.2 * PRIOR.decode_step_s(2, 1e3), 1.0, steps=steps)
+        moved[steps] = est.capacity().decode_step_s(2, 1e3) / PRIOR.decode_step_s(2, 1e3) - 1
+        assert est.evidence()["decode_samples"] == pytest.approx(steps / (steps + 32))
+    assert 0 < moved[4.0] < 0.7 * moved[400.0]
+
+
 def test_outliers_barely_move_it() -> None:
     est = CapacityEstimator(PRIOR)
     feed(est, 400, random.Random(2), outliers=0.05)

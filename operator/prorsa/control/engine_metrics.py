@@ -142,12 +142,14 @@ class EngineEvidence:
                 per_step = max(1.0, prefill_tokens / d_cnt["step_tokens"] / new)
             seconds = min(d_sum["prefill_s"] / per_step, window) / n
             if new >= 1:
-                est.observe_prefill(new, max(prompt - new, 0.0), seconds, now)
+                est.observe_prefill(new, max(prompt - new, 0.0), seconds, now, requests=n)
         if role is not Role.PREFILL and d_cnt["itl"] > 0:
             if d_cnt["step_tokens"] > 0:
                 batch = d_cnt["itl"] / d_cnt["step_tokens"]
+                steps = d_cnt["step_tokens"]
             else:
                 batch = (prev.running + sample.running) / 2
+                steps = d_cnt["itl"] / batch if batch > 0 else 0.0
             # every sequence of a step waited for the prefill tokens it carried
             local = d_sum["computed"]
             local_prefill_s = local / est.capacity().local_prefill_rate if local else 0.0
@@ -155,4 +157,4 @@ class EngineEvidence:
             step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
             kv = (prev.kv_tokens + sample.kv_tokens) / 2
             if batch > 0:
-                est.observe_decode_step(batch, kv, step, now)
+                est.observe_decode_step(batch, kv, step, now, steps=steps)

@@ -25,6 +25,19 @@ import numpy as np
 from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS as TYPICAL_NEW
 from prorsa.policy.capacity import RoleCapacity
 
+# A window's mean over n events (a worker's metrics between two reads) counts n / (n + N) of a
+# full sample: its variance is the window-to-window spread plus the per-event jitter over n,
+# taken here as N times that spread. A window of a few steps (a decode worker that was
+# mostly idle) then teaches little; one of hundreds counts in full.
+WINDOW_STEPS = 32.0
+WINDOW_REQUESTS = 4.0
+
+
+def _window_weight(events: float | None, half: float) -> float:
+    if events is None:
+        return 1.0  # one measured event, or a caller that does not say
+    return max(events, 0.0) / (max(events, 0.0) + half)
+
 
 @dataclass
 class _Fit:
@@ -62,18 +75,19 @@ class _Fit:
         inv: np.ndarray = np.linalg.inv(np.diag(1.0 / self.prior_sd**2) + self.xtx)
         return inv
 
-    def add(self, x: np.ndarray, y: float, now: float) -> None:
-        if not (math.isfinite(y) and y > 0 and np.all(np.isfinite(x))):
+    def add(self, x: np.ndarray, y: float, now: float, weight: float = 1.0) -> None:
+        """One sample; `weight` (0-1]: how much of a full sample it is."""
+        if not (math.isfinite(y) and y > 0 and np.all(np.isfinite(x)) and weight > 0):
             return  # nothing to learn from a broken report
         self._decay(now)
         pred = max(float(x @ self.coef()), 1e-9)
         sd = self.noise_rel * pred  # noise grows with the quantity measured
         r = abs(y - pred) / sd
-        w = 1.0 if r <= 2.0 else 2.0 / r  # Huber: far samples count less
-        w /= sd * sd
+        huber = weight * (1.0 if r <= 2.0 else 2.0 / r)  # far samples count less
+        w = huber / (sd * sd)
         self.xtx += w * np.outer(x, x)
         self.xty += w * x * y
-        self.weight += 1.0 if r <= 2.0 else 2.0 / r
+        self.weight += huber
         self.n += 1
 
 
@@ -140,19 +154,24 @@ class CapacityEstimator:
         self._prefill._decay(now)
         self._decode._decay(now)
 
-    def observe_prefill(self, tokens: float, context: float, seconds: float, now: float) -> None:
-        """One prefill that computed `tokens` new tokens over `context` cached ones."""
+    def observe_prefill(self, tokens: float, context: float, seconds: float, now: float,
+                        requests: float | None = None) -> None:  # fmt: skip
+        """One prefill that computed `tokens` new tokens over `context` cached ones (or a
+        window's mean prefill over `requests` of them)."""
         self._age(now)
         if tokens > 0:
-            self._prefill.add(np.array([1.0, tokens, tokens * context]), seconds, now)
+            x = np.array([1.0, tokens, tokens * context])
+            self._prefill.add(x, seconds, now, _window_weight(requests, WINDOW_REQUESTS))
             self._prefill_at.add((tokens, context))
 
     def observe_decode_step(self, batch: float, kv_tokens: float, seconds: float,
-                            now: float) -> None:  # fmt: skip
-        """A decode step (or a window's mean step) at `batch` sequences holding `kv_tokens`."""
+                            now: float, steps: float | None = None) -> None:  # fmt: skip
+        """A decode step (or a window's mean over `steps` steps) at `batch` sequences holding
+        `kv_tokens`."""
         self._age(now)
         if batch > 0:
-            self._decode.add(np.array([1.0, batch, kv_tokens]), seconds, now)
+            weight = _window_weight(steps, WINDOW_STEPS)
+            self._decode.add(np.array([1.0, batch, kv_tokens]), seconds, now, weight)
             self._decode_at.add((batch, kv_tokens))
 
     def observe_kv_capacity(self, worker: str, tokens: float) -> None:
