@@ -22,8 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS as TYPICAL_NEW
-from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
 
 # A window's mean over n events (a worker's metrics between two reads) counts n / (n + N) of a
 # full sample: its variance is the window-to-window spread plus the per-event jitter over n,
@@ -137,9 +136,10 @@ class CapacityEstimator:
         per_token = 1.0 / p.prefill_tokens_per_s
         c2 = p.prefill_s_per_token_per_context
         c0 = p.prefill_s(0.0, p.prefill_context)  # the prior's fixed cost per request
-        c1 = max(per_token - c0 / TYPICAL_NEW - c2 * p.prefill_context, 0.1 * per_token)
+        c1 = max(per_token - c0 / PREFILL_QUOTED_TOKENS - c2 * p.prefill_context, 0.1 * per_token)
         mu = np.array([c0, c1, c2])
-        floor = np.array([0.05 * TYPICAL_NEW * per_token, 0.1 * per_token, 0.1 * per_token / 8192])
+        quoted_s = PREFILL_QUOTED_TOKENS * per_token
+        floor = np.array([0.05 * quoted_s, 0.1 * per_token, 0.1 * per_token / 8192])
         self._prefill = _Fit(mu, _sd(mu, self.prior_rel_sd, floor), self.noise_rel,
                              self.half_life_s)  # fmt: skip
         mu = np.array([p.decode_base_step_s, p.decode_s_per_seq, p.decode_s_per_kv_token])
@@ -196,8 +196,8 @@ class CapacityEstimator:
         c0, c1, c2 = self._prefill.coef()
         c1 = max(c1, 1e-12)
         c2 = max(c2, 0.0)
-        per_req = max(c0, 0.0) + TYPICAL_NEW * (c1 + c2 * p.prefill_context)
-        prefill = TYPICAL_NEW / per_req
+        per_req = max(c0, 0.0) + PREFILL_QUOTED_TOKENS * (c1 + c2 * p.prefill_context)
+        prefill = PREFILL_QUOTED_TOKENS / per_req
         base, per_seq, per_kv = self._decode.coef()
         speed = prefill / p.prefill_tokens_per_s  # local prefill scales like the pool's
         return replace(
@@ -220,7 +220,7 @@ class CapacityEstimator:
         """How much the estimate rests on: decayed sample counts and relative uncertainty of
         the prefill rate and of a typical decode step (1 sd)."""
         p = self.prior
-        x = np.array([1.0, TYPICAL_NEW, TYPICAL_NEW * p.prefill_context])
+        x = np.array([1.0, PREFILL_QUOTED_TOKENS, PREFILL_QUOTED_TOKENS * p.prefill_context])
         pre = float(x @ self._prefill.coef())
         pre_sd = math.sqrt(max(float(x @ self._prefill.cov() @ x), 0.0))
         batch = 64.0
