@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from dataclasses import fields, replace
@@ -41,6 +40,7 @@ from redis.asyncio import Redis
 from rich.console import Console
 
 from prorsa.local.calibrate import Calibration, calibrate
+from prorsa.local.cpu import StackShare
 from prorsa.local.driver import scale_scripts
 from prorsa.local.model import make_tiny_model
 from prorsa.local.redis_server import RedisServer
@@ -55,45 +55,6 @@ from prorsa.sim.workload import generate, load_workload
 
 TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
 _E2E = "vllm:e2e_request_latency_seconds"
-_ENGINE = "VLLM::Worker"  # the process a CPU vLLM engine computes in (one per pinned core)
-
-
-def _stack_cpu_seconds() -> float:
-    """CPU seconds every process on this machine but the engines' compute has used so far."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # ended meanwhile
-        if not stat[stat.index("(") + 1 :].startswith(_ENGINE):
-            utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
-            total += (int(utime) + int(stime)) / tick
-    return total
-
-
-class StackShare:
-    """The share of the machine's cores everything but the engines' compute takes (the router,
-    the agent loop and controller, the vLLM frontends and schedulers, Redis), sampled while a
-    rollout runs: CPU time the engines, pinned one per core, do not get. On a GPU node that
-    work runs on host cores beside the accelerators; here it runs on the engines' own."""
-
-    def __init__(self, every_s: float = 0.25) -> None:
-        self.every_s = every_s
-        self.samples: list[tuple[float, float]] = []
-
-    async def run(self) -> None:
-        while True:
-            self.samples.append((time.monotonic(), _stack_cpu_seconds()))
-            await asyncio.sleep(self.every_s)
-
-    def over(self, start: float, end: float) -> float:
-        """The share over [start, end] (monotonic seconds), from the samples around it."""
-        self.samples.append((time.monotonic(), _stack_cpu_seconds()))
-        t0, c0 = max((s for s in self.samples if s[0] <= start), default=self.samples[0])
-        t1, c1 = self.samples[-1]
-        return min(max((c1 - c0) / ((os.cpu_count() or 1) * max(t1 - t0, 1e-9)), 0.0), 0.9)
 
 
 async def _engine_seconds(urls: list[str]) -> float:

