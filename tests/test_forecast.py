@@ -16,7 +16,7 @@ from prorsa.policy.forecast import (
     TrainerAdmission,
     make_forecaster,
 )
-from prorsa.policy.lifecycle import LifecycleTable
+from prorsa.policy.lifecycle import LifecycleTable, State
 
 H = Horizon(step_s=5.0, steps=12)
 
@@ -314,3 +314,70 @@ def test_before_any_tool_output_a_returning_turn_is_sized_as_an_observation(
     assert sum(fc.prefill_tokens_per_s) * H.step_s <= 100 * expected * 1.01
     tab.ingest(turn("t0", 30.0, first_prompt + 5000, 5000, 10))  # an observation is seen
     assert tab.stats.mean_tool_output() > expected or (expected == 512.0 and first_prompt > 5000)
+
+
+def _in_tools(tab: LifecycleTable, n: int, now: float, since: list[float], turns: int = 1) -> None:
+    """`n` live trajectories that have run `turns` turns and are in a tool call begun at
+    `since[i]`."""
+    for i in range(n):
+        tid = f"live{i}"
+        t0 = since[i] - 1.2
+        tab.ingest([Event(EventType.TRAJ_START, tid, t0), *turn(tid, t0, 500, 500, 100)])
+        tab.apply(Event(EventType.TOOL_START, tid, since[i]))
+    tab.ingest([])
+    assert tab.count(State.TOOL) == n and tab.now <= now
+
+
+def test_decodes_shorter_than_a_grid_bin_are_counted_while_they_run() -> None:
+    """Answers of 50 tokens decode for 0.5 s, less than the chain's 1.25 s grid. 200 tool
+    calls of 10 s begun evenly over the last 10 s come back at 20 per second, so about
+    20 x 0.5 = 10 sequences decode at any moment; counted only at grid ends, a decode that
+    starts and ends inside one bin was never counted, and the forecast said ~0."""
+    tab = LifecycleTable()
+    _teach(tab, 300, out=50, tool_s=10.0)
+    now = 200.0
+    _in_tools(tab, 200, now, [now - 10.0 + 0.05 * i for i in range(200)])
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
+    assert 5.0 < fc.decode_seqs[0] < 20.0, fc.decode_seqs
+
+
+def test_a_reported_tool_call_is_followed_by_a_turn() -> None:
+    """Half the trajectories end after their first answer, the other half call a tool and
+    always send its result back. A trajectory seen in a tool call has made its choice: it
+    comes back with certainty, not with the 50% of all first turns."""
+    tab = LifecycleTable()
+    for i in range(200):
+        tid = f"hist{i}"
+        tab.ingest([Event(EventType.TRAJ_START, tid, 0.0), *turn(tid, 0.0, 500, 500, 100)])
+        if i % 2:
+            tab.apply(Event(EventType.TRAJ_END, tid, 1.2))
+            continue
+        tab.apply(Event(EventType.TOOL_START, tid, 1.2))
+        tab.apply(Event(EventType.TOOL_END, tid, 11.2))
+        tab.ingest(turn(tid, 11.2, 1500, 900, 100))
+        tab.apply(Event(EventType.TRAJ_END, tid, 12.5))
+    st = tab.stats
+    assert st.p_continue_after(np.array([1]))[0] == pytest.approx(0.5, abs=0.05)
+    assert st.p_continue_after_tool > 0.98
+    now = 100.0
+    _in_tools(tab, 100, now, [now - 5.0] * 100)  # the tools end 5 s from now
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    fc = f.forecast(tab, now, H)
+    returned = sum(fc.prefill_tokens_per_s[:2]) * H.step_s
+    per_turn = float(st.tool_output_after(np.array([1]))[0])
+    assert returned == pytest.approx(100 * per_turn, rel=0.15)
+
+
+def test_before_any_tool_call_ended_the_calls_in_flight_are_expected_to_last() -> None:
+    """80 calls in flight for 10-30 s and none ended: together 1,600 s without an end, so
+    few end in the next minute. Taken each alone (as long again as it has lasted), nearly
+    all would have come back within the horizon."""
+    tab = LifecycleTable()
+    now = 100.0
+    _in_tools(tab, 80, now, [now - 10.0 - 0.25 * i for i in range(80)])
+    assert tab.stats.tool_latency.total == 0
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    fc = f.forecast(tab, now, H)
+    per_turn = tab.stats.tool_output_after(np.array([1]))[0] * tab.stats.p_continue_after_tool
+    returned = sum(fc.prefill_tokens_per_s) * H.step_s / per_turn
+    assert 0.5 < returned < 0.15 * 80, returned

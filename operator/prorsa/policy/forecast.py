@@ -282,7 +282,9 @@ class LifecycleForecaster:
         w_depth, w_elapsed = depth[between], elapsed[between]
         own = rows.tool_out_est[between]
         w_ctx = rows.context[between].astype(np.float64)
-        p_next = p_by_turn[w_depth]
+        # after a reported tool call the trajectory has chosen to go on; otherwise it may end
+        p_after = p_by_turn[w_depth]
+        p_next = np.where(rows.tool_seen[between], st.p_continue_after_tool, p_after)
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
         tokens = (out + recompute * w_ctx) * p_next
         hint = rows.tool_hint[between]
@@ -301,7 +303,7 @@ class LifecycleForecaster:
 
         # Population averages for the chain below.
         pop_n = decoding + float(w_depth.size)
-        pop_cont = float(p_by_turn[d_depth].sum() + p_next.sum())
+        pop_cont = float(p_by_turn[d_depth].sum() + p_after.sum())  # after a decode
         chain_out = float(out_by_turn[d_depth].sum() + out_by_turn[w_depth].sum())
         ctx_n = pop_n
         ctx_sum = float(d_ctx.sum() + w_ctx.sum())
@@ -319,11 +321,16 @@ class LifecycleForecaster:
         elif decoding:  # nothing finished yet: assume they leave within the horizon, evenly
             leave[:m_bins] += decoding / m_bins
         surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
+        # Before any call has ended, the calls in flight are all the evidence: none ended in
+        # their total time on test, so a call is expected to last at least that long (one
+        # pseudo-event over the exposure), not just as long again as it has lasted so far.
+        tool_mean = float(w_elapsed[rest].sum()) if surv is None else 0.0
         waiting_bins = np.flatnonzero(bin_count)
         if waiting_bins.size:
             probs = _returns(
-                hist, surv, hist.mid(waiting_bins), np.full(waiting_bins.size, f), m_bins, dt
-            )
+                hist, surv, hist.mid(waiting_bins), np.full(waiting_bins.size, f), m_bins, dt,
+                fallback_mean=tool_mean,
+            )  # fmt: skip
             submit_count += bin_count[waiting_bins] @ probs
             submit_tokens += bin_tokens[waiting_bins] @ probs
         replaced, burst_rate, burst_s = (
@@ -363,7 +370,12 @@ class LifecycleForecaster:
             dt,
             fallback_mean=max(tpot * math.exp(mu_all), f),
         )[0]
-        k0 = _returns(hist, surv, np.zeros(1), np.full(1, f), m_bins, dt)[0]
+        # A decode entering during fine bin m starts anywhere in it, so one that lasts k to
+        # k+1 bins is still running at the end of bin m+k half the time: without this half
+        # bin, the sequences are counted at bin ends k times where they last k + 1/2 bins on
+        # average, and decodes shorter than a bin (short answers) never at all.
+        d_exit = 0.5 * (d_exit + np.concatenate(([0.0], d_exit[:-1])))
+        k0 = _returns(hist, surv, np.zeros(1), np.full(1, f), m_bins, dt, tool_mean)[0]
         exits = leave[:m_bins].copy()
         seqs_fine = np.zeros(m_bins)
         kv_per_seq = kv_now / decoding if decoding else first_prompt

@@ -38,6 +38,11 @@ class LearnedStats:
     pool_tokens: Ewma
     continue_count: float = 1.0  # Laplace prior: a turn is followed by another...
     stop_count: float = 1.0  # ...or by traj_end
+    # After a reported tool call the trajectory has already chosen to go on: its result goes
+    # back to the model unless the episode is cut short there. Learned from the calls that
+    # ended; the prior (0.95, worth two calls) says the result almost always goes back.
+    tool_continue_count: float = 1.9
+    tool_stop_count: float = 0.1
     # The same, per turn index (log-spaced bins): agents stop more often at some depths.
     continue_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     stop_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
@@ -79,6 +84,11 @@ class LearnedStats:
     def p_continue(self) -> float:
         return self.continue_count / (self.continue_count + self.stop_count)
 
+    @property
+    def p_continue_after_tool(self) -> float:
+        """P(another turn follows | the trajectory reported a tool call since its last turn)."""
+        return self.tool_continue_count / (self.tool_continue_count + self.tool_stop_count)
+
     def p_continue_after(self, turns: np.ndarray) -> np.ndarray:
         """P(another turn follows turn k) for each k, shrunk toward the overall rate."""
         c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
@@ -102,8 +112,14 @@ class LearnedStats:
         by_bin: np.ndarray = (sums + prior * overall) / (n + prior)
         return np.take(by_bin, turn_bins(turns + 1))
 
-    def learn_continuations(self, continued_after: np.ndarray, ended_after: np.ndarray) -> None:
-        """Turns another turn followed, and turns the trajectory ended after."""
+    def learn_continuations(
+        self, continued_after: np.ndarray, ended_after: np.ndarray, after_tool: np.ndarray
+    ) -> None:
+        """Turns another turn followed, turns the trajectory ended after, and for the gaps
+        with a reported tool call, whether a turn followed (1) or the trajectory ended (0)."""
+        went_on = float(np.count_nonzero(after_tool))
+        self.tool_continue_count += went_on
+        self.tool_stop_count += float(after_tool.size) - went_on
         for turns, total, by_turn in (
             (continued_after, "continue_count", self.continue_by_turn),
             (ended_after, "stop_count", self.stop_by_turn),

@@ -53,7 +53,7 @@ class _Samples:
     (a record's fields side by side) that numpy reads without copying."""
 
     __slots__ = ("appended", "continued", "decodes", "ended", "first_prompts", "pool",
-                 "prefill_s", "remote", "tool_s")  # fmt: skip
+                 "prefill_s", "remote", "tool_gaps", "tool_s")  # fmt: skip
 
     def __init__(self) -> None:
         self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
@@ -62,6 +62,7 @@ class _Samples:
         self.appended = array("d")  # (turn, tokens appended, uncached, context before)
         self.continued = array("d")  # turns another turn followed
         self.ended = array("d")  # turns the trajectory ended after
+        self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
         self.prefill_s = array("d")
         self.tool_s = array("d")  # (seconds, ts)
         self.decodes = array("d")  # (group row, output tokens, seconds, ts)
@@ -204,6 +205,8 @@ class LifecycleTable:
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
                         continued(k)
+                        if old == _TOOL or after_tool[i]:
+                            learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
                             tool_s((ts - since[i], ts))
                 if not late:
@@ -243,6 +246,8 @@ class LifecycleTable:
             else:
                 if old in _BETWEEN_TURNS:
                     learn.ended.append(turn[i])
+                    if old == _TOOL or after_tool[i]:
+                        learn.tool_gaps.append(0.0)
                 self._end(i)
             if new != old:
                 state[i] = new
@@ -275,6 +280,7 @@ class LifecycleTable:
         st.learn_continuations(
             learn.records(learn.continued, 1)[0].astype(np.int64),
             learn.records(learn.ended, 1)[0].astype(np.int64),
+            learn.records(learn.tool_gaps, 1)[0],
         )
         st.prefill_latency_s.add_all(learn.records(learn.prefill_s, 1)[0])
         seconds, ts = learn.records(learn.tool_s, 2)
@@ -519,6 +525,7 @@ class LifecycleTable:
             tool_out_est=np.array(self.tool_out_est, dtype=np.float64)[live],
             tool_hint=np.array(self.tool_hint, dtype=np.float64)[live],
             group=np.array(self.group, dtype=np.int64)[live],
+            tool_seen=(state[live] == _TOOL) | (np.array(self.after_tool, dtype=np.int8)[live] > 0),
         )
 
     @property
@@ -557,6 +564,7 @@ class Rows:
     tool_out_est: np.ndarray  # -1: none yet
     tool_hint: np.ndarray  # NaN: none
     group: np.ndarray  # group row, -1: none
+    tool_seen: np.ndarray  # a tool call reported since the last turn (bool)
 
 
 class _Snapshots(Mapping[str, Trajectory]):
