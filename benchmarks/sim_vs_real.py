@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import time
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -78,13 +77,12 @@ async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Ca
     the engines while it ran, and where a turn's time went."""
     urls = [w.url for w in stack.workers]
     engine_s, meter = await _engine_seconds(urls), StackShare()
-    sampling = asyncio.create_task(meter.run())
-    real = (await run_policy(opts, stack, redis, cal, policy, console)).result
-    end = time.monotonic()
-    sampling.cancel()
+    async with meter.sampling():
+        real = (await run_policy(opts, stack, redis, cal, policy, console)).result
+    share = meter.last(real.makespan_s)
     engine_s = await _engine_seconds(urls) - engine_s
     return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
-            "stack_cpu_share": meter.over(end - real.makespan_s, end),
+            "stack_cpu_share": share,
             "turn_s": statistics.fmean(t.seconds for t in real.turns),
             "engine_s_per_turn": engine_s / max(real.turns_ok, 1)}  # fmt: skip
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -71,15 +70,13 @@ def test_a_local_run_is_recorded_drawn_and_learns_the_workers_capacity(
         )  # first prompts all along: prefill evidence
         opts.settings = replace(opts.settings, static_prefill=1)
         redis, meter = Redis.from_url(stack.cfg.redis_url), StackShare()
-        sampling = asyncio.create_task(meter.run())
         try:
             with caplog.at_level(logging.INFO, logger="prorsa.control.controller"):
-                run = await run_policy(opts, stack, redis, cal, "static", Console(quiet=True))
+                async with meter.sampling():
+                    run = await run_policy(opts, stack, redis, cal, "static", Console(quiet=True))
         finally:
-            sampling.cancel()
             await redis.aclose()
-        end = time.monotonic()
-        share = meter.over(end - run.result.makespan_s, end)
+        share = meter.last(run.result.makespan_s)
         doc = run_document(opts, [run], cal, "tiny")
         row = doc["results"]["static"]
         assert doc["source"] == "real" and row["turns_failed"] == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
+from prorsa.policy.capacity import RoleCapacity, quoted_prefill_rate
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,10 @@ class Calibration:
     kv_capacity_tokens: float
 
     def capacity(self, switch_s: float = 0.0) -> RoleCapacity:
-        quoted = self.prefill_fixed_s + PREFILL_QUOTED_TOKENS / self.prefill_tokens_per_s
         return RoleCapacity(
-            prefill_tokens_per_s=PREFILL_QUOTED_TOKENS / quoted,
+            prefill_tokens_per_s=quoted_prefill_rate(
+                self.prefill_fixed_s, self.prefill_tokens_per_s
+            ),
             prefill_request_s=self.prefill_fixed_s,
             decode_base_step_s=self.decode_step_s,
             decode_s_per_seq=self.decode_s_per_seq,

@@ -4,8 +4,10 @@ taken during a rollout from one taken on an idle machine (the offline calibratio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 
 ENGINE_PROCESS = "VLLM::Worker"  # the process a CPU vLLM engine computes in (one per pinned core)
 
@@ -39,6 +41,20 @@ class StackShare:
         while True:
             self.samples.append((time.monotonic(), stack_cpu_seconds()))
             await asyncio.sleep(self.every_s)
+
+    @contextlib.asynccontextmanager
+    async def sampling(self) -> AsyncIterator[StackShare]:
+        """Sample while the block runs."""
+        task = asyncio.create_task(self.run())
+        try:
+            yield self
+        finally:
+            task.cancel()
+
+    def last(self, seconds: float) -> float:
+        """The share over the last `seconds`."""
+        end = time.monotonic()
+        return self.over(end - seconds, end)
 
     def over(self, start: float, end: float) -> float:
         """The share over [start, end] (monotonic seconds), from the samples around it."""

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 PREFILL_QUOTED_TOKENS = 1024.0  # the prefill size `RoleCapacity.prefill_tokens_per_s` is quoted at
 
 
+def quoted_prefill_rate(fixed_s: float, tokens_per_s: float) -> float:
+    """`RoleCapacity.prefill_tokens_per_s` of a prefill measured as a fixed cost per request
+    plus a marginal rate: its tokens/s at PREFILL_QUOTED_TOKENS new tokens."""
+    return PREFILL_QUOTED_TOKENS / (fixed_s + PREFILL_QUOTED_TOKENS / tokens_per_s)
+
+
 @dataclass(frozen=True, slots=True)
 class RoleCapacity:
     prefill_tokens_per_s: float  # one prefill worker, at typical context lengths

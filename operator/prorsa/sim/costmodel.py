@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity
+from prorsa.policy.capacity import PREFILL_QUOTED_TOKENS, RoleCapacity, quoted_prefill_rate
 from prorsa.sim.hardware import Hardware, ModelSpec
 
 
@@ -246,9 +246,10 @@ class MeasuredCost(OneGPUWorker):
         return self.transfer_s
 
     def role_capacity(self) -> RoleCapacity:
-        quoted = self.prefill_s(PREFILL_QUOTED_TOKENS, 0.0)
         return RoleCapacity(
-            prefill_tokens_per_s=PREFILL_QUOTED_TOKENS / quoted,
+            prefill_tokens_per_s=quoted_prefill_rate(
+                self.prefill_fixed_s, self.prefill_tokens_per_s
+            ),
             prefill_request_s=self.prefill_fixed_s,
             decode_base_step_s=self.decode_base_s,
             decode_s_per_seq=self.decode_per_seq_s,
