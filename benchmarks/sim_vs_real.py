@@ -29,7 +29,7 @@ import argparse
 import asyncio
 import json
 import statistics
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,18 @@ from prorsa.sim.workload import generate, load_workload
 
 TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
 _E2E = "vllm:e2e_request_latency_seconds"
+
+
+def _mean(cals: list[Calibration]) -> Calibration:
+    """Each figure's mean over the workers' calibrations (the engine's own where all have them)."""
+    def m(name: str) -> float:
+        return statistics.fmean(getattr(c, name) for c in cals)
+
+    engines = [c.engine for c in cals if c.engine is not None]
+    mean = Calibration(m("prefill_tokens_per_s"), m("prefill_fixed_s"), m("decode_step_s"),
+                       m("decode_s_per_seq"), m("kv_capacity_tokens"))  # fmt: skip
+    both = engines and len(engines) == len(cals)
+    return replace(mean, engine=_mean(engines)) if both else mean
 
 
 async def _engine_seconds(urls: list[str]) -> float:
@@ -118,8 +130,7 @@ async def main(args: argparse.Namespace) -> None:
                 cals = await asyncio.gather(
                     *(calibrate(w.url, SERVED_MODEL, model, 1) for w in stack.workers)
                 )
-                cal = Calibration(*(statistics.fmean(getattr(c, f.name) for c in cals)
-                                    for f in fields(Calibration)))  # fmt: skip
+                cal = _mean(cals)
             cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s,
                                 cal.decode_step_s, cal.decode_s_per_seq,
                                 cal.kv_capacity_tokens)  # fmt: skip

@@ -303,6 +303,7 @@ def _learned(runs: list[PolicyRun], cal: Calibration, console: Console) -> None:
         if r.capacity is None or r.evidence is None:
             continue
         ev = r.evidence
+        source = "as the engine timed it" if cal.engine else "wall clock"
         seen = agreement(cal, r.capacity, ev["prefill_tokens_seen"], 0.0,
                          ev["decode_batch_seen"], ev["decode_kv_seen"])  # fmt: skip
         ref = agreement(cal, r.capacity)
@@ -319,7 +320,8 @@ def _learned(runs: list[PolicyRun], cal: Calibration, console: Console) -> None:
             f"• {r.policy}: learned online {capacity_text(r.capacity)} "
             f"({ev['prefill_samples']:.1f} prefill / {ev['decode_samples']:.1f} decode windows)."
             + (
-                f" Against the offline calibration where the run measured: {', '.join(where)}; "
+                f" Against the offline calibration ({source}) where the run measured: "
+                f"{', '.join(where)}; "
                 f"at 1,024 tokens and batch 8: {', '.join(far)}"
                 if where
                 else ""
@@ -359,10 +361,14 @@ async def run_local(opts: LocalOptions, console: Console) -> int:
         console.print("• starting workers (the first start compiles the model: a minute or two)")
         await asyncio.to_thread(stack.wait_ready, 900)
         cal = await calibrate(stack.workers[0].url, SERVED_MODEL, model, stack.cfg.kv_cache_gib)
-        console.print(
-            f"• calibrated: prefill {cal.prefill_tokens_per_s:.0f} tok/s, decode step "
-            f"{1e3 * cal.decode_step_s:.1f} ms (+{1e3 * cal.decode_s_per_seq:.2f} ms/seq)"
-        )
+        for who, c in (("calibrated", cal), ("as the engine timed it", cal.engine)):
+            if c is not None:
+                console.print(
+                    f"• {who}: prefill {c.prefill_tokens_per_s:.0f} tok/s "
+                    f"+ {1e3 * c.prefill_fixed_s:.1f} ms/request, decode step "
+                    f"{1e3 * c.decode_step_s:.2f} ms (+{1e3 * c.decode_s_per_seq:.3f} ms/seq, "
+                    f"+{1e6 * c.decode_s_per_kv_token:.2f} us/KV token)"
+                )
         runs = []
         for policy in opts.policies:
             console.print(f"• running {policy}")
