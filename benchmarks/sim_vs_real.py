@@ -58,6 +58,7 @@ _E2E = "vllm:e2e_request_latency_seconds"
 
 def _mean(cals: list[Calibration]) -> Calibration:
     """Each figure's mean over the workers' calibrations (the engine's own where all have them)."""
+
     def m(name: str) -> float:
         return statistics.fmean(getattr(c, name) for c in cals)
 

@@ -19,9 +19,7 @@ def test_the_engine_times_the_requests_of_a_window_of_real_metrics() -> None:
     assert before is not None and after is not None
     e = _Engine.between(before, after, 6)  # six prompts, 16 tokens each (tests/data/README.md)
     steps = after.counts["step_tokens"] - before.counts["step_tokens"]
-    assert e.prefill_s == pytest.approx(
-        (after.sums["prefill_s"] - before.sums["prefill_s"]) / 6
-    )
+    assert e.prefill_s == pytest.approx((after.sums["prefill_s"] - before.sums["prefill_s"]) / 6)
     assert e.step_s == pytest.approx((after.sums["itl"] - before.sums["itl"]) / 90)
     assert e.batch == pytest.approx(90 / steps)
     # another request ran on the engine meanwhile (or the metrics were unreadable): no figures
