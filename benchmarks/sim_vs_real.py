@@ -1,8 +1,9 @@
 """How far to trust the simulator: the same seeded rollout, run for real and simulated.
 
 Starts two real vLLM workers on the CPU (the tiny model), the router, Redis and the
-controller; calibrates a `MeasuredCost` from the workers (prefill throughput, decode step;
-all of them at once, as a rollout loads them, or `--calibration one`: one, the other idle);
+controller; calibrates a `MeasuredCost` from the workers (prefill throughput, decode step and
+its cost per KV token; all of them at once, as a rollout loads them, or `--calibration one`:
+one, the other idle);
 drives each scaled workload through the router under each policy (after one unmeasured
 warm-up rollout of it with another seed: an engine's first rollout runs slower; `--repeats`
 real runs, the median reported with the spread); simulates the very same scripts with the
@@ -64,7 +65,8 @@ def _mean(cals: list[Calibration]) -> Calibration:
 
     engines = [c.engine for c in cals if c.engine is not None]
     mean = Calibration(m("prefill_tokens_per_s"), m("prefill_fixed_s"), m("decode_step_s"),
-                       m("decode_s_per_seq"), m("kv_capacity_tokens"))  # fmt: skip
+                       m("decode_s_per_seq"), m("kv_capacity_tokens"),
+                       m("decode_s_per_kv_token"))  # fmt: skip
     both = engines and len(engines) == len(cals)
     return replace(mean, engine=_mean(engines)) if both else mean
 
@@ -132,13 +134,15 @@ async def main(args: argparse.Namespace) -> None:
                     *(calibrate(w.url, SERVED_MODEL, model, 1) for w in stack.workers)
                 )
                 cal = _mean(cals)
+            cap = cal.capacity()  # the step through the measured ones, KV included
             cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s,
-                                cal.decode_step_s, cal.decode_s_per_seq,
-                                cal.kv_capacity_tokens)  # fmt: skip
+                                cap.decode_base_step_s, cap.decode_s_per_seq,
+                                cal.kv_capacity_tokens, cap.decode_s_per_kv_token)  # fmt: skip
             print(
                 f"calibrated: prefill {cal.prefill_tokens_per_s:.0f} tok/s + "
                 f"{1e3 * cal.prefill_fixed_s:.1f} ms/request; decode step "
-                f"{1e3 * cal.decode_step_s:.2f} ms + {1e3 * cal.decode_s_per_seq:.3f} ms/seq"
+                f"{1e3 * cal.decode_step_s:.2f} ms + {1e3 * cal.decode_s_per_seq:.3f} ms/seq + "
+                f"{1e6 * cal.decode_s_per_kv_token:.2f} us/KV token"
             )
             rows = []
             for name in args.workloads.split(","):

@@ -9,6 +9,7 @@ import pytest
 
 from prorsa.control.engine_metrics import parse_engine_metrics
 from prorsa.local.calibrate import SHORT_KV, Calibration, _Engine, agreement
+from prorsa.sim.costmodel import MeasuredCost
 
 DATA = Path(__file__).parent / "data"
 
@@ -44,3 +45,17 @@ def test_agreement_is_against_the_engines_own_timings_where_there_are_some() -> 
     assert got == pytest.approx({"prefill_s": 0.0, "decode_step_s": 0.0}, abs=1e-9)
     off = agreement(Calibration(20_000.0, 0.010, 0.008, 0.0002, 1e6), engine.capacity())
     assert off["prefill_s"] < -0.1 and off["decode_step_s"] < -0.1
+
+
+def test_the_simulators_measured_cost_steps_as_the_calibration_priced() -> None:
+    """`benchmarks/sim_vs_real.py` simulates with the calibration: the decode step it models
+    at any batch and KV is the one the allocator prices, long contexts included."""
+    cal = Calibration(20_000.0, 0.004, 0.007, 0.0002, 1e6, decode_s_per_kv_token=3e-7)
+    cap = cal.capacity()
+    cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s, cap.decode_base_step_s,
+                        cap.decode_s_per_seq, cal.kv_capacity_tokens,
+                        cap.decode_s_per_kv_token)  # fmt: skip
+    for batch, kv in ((1, SHORT_KV), (32, 32 * 300.0), (8, 8 * 4000.0)):
+        assert cost.decode_step_s(batch, kv) == pytest.approx(cap.decode_step_s(batch, kv))
+    assert cost.decode_step_s(32, 32 * 300.0) > cost.decode_step_s(32, 32 * SHORT_KV) * 1.15
+    assert cost.role_capacity().decode_step_s(8, 1e4) == pytest.approx(cap.decode_step_s(8, 1e4))

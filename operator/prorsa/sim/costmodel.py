@@ -210,7 +210,8 @@ class Cost(Protocol):
 class MeasuredCost(OneGPUWorker):
     """A cost model fitted to a real worker instead of derived from a datasheet: prefill is a
     fixed cost plus tokens over a measured throughput, a decode step a measured base plus a
-    per-sequence cost, a chunked-prefill step the two added. Used to check the simulator
+    per-sequence cost and a cost per KV token it attends, a chunked-prefill step the two
+    added. Used to check the simulator
     against real vLLM workers (`benchmarks/sim_vs_real.py`)."""
 
     prefill_tokens_per_s: float
@@ -218,6 +219,7 @@ class MeasuredCost(OneGPUWorker):
     decode_base_s: float
     decode_per_seq_s: float
     kv_capacity: float
+    decode_per_kv_s: float = 0.0
     transfer_s: float = 0.005  # one NIXL pull between workers on one host
     switch_mode: str = "routing"
     eff: Efficiency = Efficiency(chunk_tokens=2048)
@@ -234,7 +236,9 @@ class MeasuredCost(OneGPUWorker):
         return self.prefill_fixed_s + max(new_tokens, 0.0) / self.prefill_tokens_per_s
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
-        return 0.0 if batch <= 0 else self.decode_base_s + self.decode_per_seq_s * batch
+        if batch <= 0:
+            return 0.0
+        return self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_kv_s * kv_tokens
 
     def mixed_step_s(
         self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
@@ -253,7 +257,7 @@ class MeasuredCost(OneGPUWorker):
             prefill_request_s=self.prefill_fixed_s,
             decode_base_step_s=self.decode_base_s,
             decode_s_per_seq=self.decode_per_seq_s,
-            decode_s_per_kv_token=0.0,
+            decode_s_per_kv_token=self.decode_per_kv_s,
             kv_capacity_tokens=self.kv_capacity,
         )
 
