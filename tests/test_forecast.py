@@ -381,37 +381,3 @@ def test_before_any_tool_call_ended_the_calls_in_flight_are_expected_to_last() -
     per_turn = tab.stats.tool_output_after(np.array([1]))[0] * tab.stats.p_continue_after_tool
     returned = sum(fc.prefill_tokens_per_s) * H.step_s / per_turn
     assert 0.5 < returned < 0.15 * 80, returned
-
-
-def _answered(tab: LifecycleTable, tid: str, t0: float, out: int) -> float:
-    """A trajectory's first turn, answered with `out` tokens at 10 ms each, and a 1 s tool
-    call; returns when its tool call ended."""
-    tab.apply(Event(EventType.TRAJ_START, tid, t0))
-    tab.ingest(turn(tid, t0, 500, 500, out, decode_s=out * 0.01))
-    t1 = t0 + 0.1 + out * 0.01
-    tab.apply(Event(EventType.TOOL_START, tid, t1))
-    tab.apply(Event(EventType.TOOL_END, tid, t1 + 1.0))
-    return t1 + 1.0
-
-
-def test_a_trajectory_whose_answers_are_long_is_expected_to_decode_long() -> None:
-    """Two tables that learned the same answers (400 of 400 tokens, 50 of 3,000, 50 of 30),
-    where the 50 trajectories decoding now gave the long ones (a) or the short ones (b):
-    their own answers say whether they will still be decoding 5 s from now."""
-    now = 200.0
-    fcs = []
-    for own, other in ((3000, 30), (30, 3000)):
-        tab = LifecycleTable()
-        _teach(tab, 200, out=400, tool_s=1.0)  # decodes of 4 s
-        for i in range(50):  # ended trajectories with the other answers
-            _answered(tab, f"o{i}", 10.0, other)
-            tab.apply(Event(EventType.TRAJ_END, f"o{i}", 80.0))
-        for i in range(50):  # live: their first answer `own`, their second decoding now
-            tid = f"live{i}"
-            _answered(tab, tid, now - 45.0, own)
-            tab.apply(submit(tid, now - 1.0, 500))
-            tab.apply(Event(EventType.PREFILL_DONE, tid, now - 0.1, tokens=500, seconds=0.9))
-        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0)
-        fcs.append(f.forecast(tab, now, H))
-    long_, short = fcs
-    assert long_.decode_seqs[0] > short.decode_seqs[0] + 20

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from prorsa.policy.events import Event, EventType, State, Trajectory
-from prorsa.policy.learned import LearnedStats, length_classes
+from prorsa.policy.learned import LearnedStats
 
 # State as plain ints, for the columns; DONE also marks a free row.
 _WAITING, _PREFILL, _DECODE, _TOOL, _DONE = range(5)
@@ -42,10 +42,6 @@ _CODE = {e: i for i, e in enumerate(EventType)}  # event type -> small int, for 
 _START, _SUBMIT, _PREFILLED, _DECODED, _TOOL_START, _TOOL_END, _END = range(7)
 _TYPES = len(_CODE)
 _NO_HINT = math.nan
-# A trajectory's answer-length level: each answer moves it this far (phases of a task change
-# it), and it weighs this much beside its GRPO group's mean in a decode's length factor.
-_LEVEL_RATE = 0.5
-LEVEL_WEIGHT = 0.5
 
 
 def _grow(col: array[Any], n: int, fill: float) -> None:
@@ -64,15 +60,12 @@ class _Samples:
         self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
         self.first_prompts = array("d")  # (prompt tokens, demand tokens)
         self.appended = array("d")  # (turn, tokens appended, uncached, context before)
-        # (turn another turn followed / the trajectory ended after, its answer-length level,
-        # decodes recorded before it in this batch)
-        self.continued = array("d")
-        self.ended = array("d")
+        self.continued = array("d")  # turns another turn followed
+        self.ended = array("d")  # turns the trajectory ended after
         self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
         self.prefill_s = array("d")
         self.tool_s = array("d")  # (seconds, ts)
-        # (group row, output tokens, seconds, ts, the trajectory's log-length level before)
-        self.decodes = array("d")
+        self.decodes = array("d")  # (group row, output tokens, seconds, ts)
 
     @staticmethod
     def records(col: array[float], width: int) -> np.ndarray:
@@ -125,7 +118,6 @@ class LifecycleTable:
         self.pending = array("q")  # uncached tokens of the submitted, unprefilled turn
         self.tool_hint = array("d")  # client's expected tool seconds (NaN: none)
         self.tool_out_est = array("d")  # recency-weighted appended tokens (-1: none yet)
-        self.out_log_est = array("d")  # recency-weighted log output tokens (NaN: none yet)
         self.after_tool = array("b")  # waiting after an explicit tool_end (not an inferred gap)
         self.group = array("q")  # group row (-1: none)
         self._latest_ts = array("d")  # per row and event type: its latest ts (duplicates)
@@ -155,13 +147,12 @@ class LifecycleTable:
         last_ts, state, since, turn = self.last_ts, self.state, self.state_since, self.turn
         context, pending = self.context, self.pending
         tool_hint, tool_out_est, after_tool = self.tool_hint, self.tool_out_est, self.after_tool
-        out_log_est = self.out_log_est
         latest_ts, group = self._latest_ts, self.group
         learn = _Samples()
         remote, appended, decodes = learn.remote.extend, learn.appended.extend, learn.decodes.extend
         pool = learn.pool.extend
         prefill_s, tool_s = learn.prefill_s.append, learn.tool_s.extend
-        first_prompt, continued = learn.first_prompts.extend, learn.continued.extend
+        first_prompt, continued = learn.first_prompts.extend, learn.continued.append
         now = self.now
         dups = late_n = submitted = 0
         for ev in events:
@@ -213,7 +204,7 @@ class LifecycleTable:
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
-                        continued((k, out_log_est[i], len(learn.decodes) // 5))
+                        continued(k)
                         if old == _TOOL or after_tool[i]:
                             learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
@@ -234,11 +225,7 @@ class LifecycleTable:
                     new = _DECODE
             elif code == _DECODED:
                 if ev.output_tokens > 0:
-                    level = out_log_est[i]
-                    decodes((group[i], ev.output_tokens, ev.seconds, ts, level))
-                    # recency-weighted: an agent's answers change length as its task moves on
-                    y = math.log(ev.output_tokens)
-                    out_log_est[i] = y if level != level else level + _LEVEL_RATE * (y - level)
+                    decodes((group[i], ev.output_tokens, ev.seconds, ts))
                 if not late:
                     context[i] += ev.output_tokens  # the next turn's prompt contains it
                     if old in _IN_TURN:
@@ -258,7 +245,7 @@ class LifecycleTable:
                 self._on_traj_start(i, ev)
             else:
                 if old in _BETWEEN_TURNS:
-                    learn.ended.extend((turn[i], out_log_est[i], len(learn.decodes) // 5))
+                    learn.ended.append(turn[i])
                     if old == _TOOL or after_tool[i]:
                         learn.tool_gaps.append(0.0)
                 self._end(i)
@@ -290,37 +277,20 @@ class LifecycleTable:
             np.minimum(np.maximum(uncached - grew, 0.0)[has_ctx] / ctx[has_ctx], 1.0)
         )
         st.learn_appended(turn.astype(np.int64) + 1, grew)
-        decodes = learn.records(learn.decodes, 5)
-        went_on, went_on_level, went_on_at = learn.records(learn.continued, 3)
-        stopped, stopped_level, stopped_at = learn.records(learn.ended, 3)
-        # the answer-length classes as of each event: the overall mean after the decodes
-        # before it (one by one or in a batch, the same)
-        n0, mean0 = st.output_len.n, st.output_len.mean
-        cum = np.concatenate(([0.0], np.cumsum(np.log(np.maximum(decodes[1], 1.0)))))
-
-        def mean_at(at: np.ndarray) -> np.ndarray:
-            k = at.astype(np.int64)
-            n = n0 + k
-            out: np.ndarray = np.where(n > 0, (n0 * mean0 + cum[k]) / np.maximum(n, 1), np.nan)
-            return out
-
         st.learn_continuations(
-            went_on.astype(np.int64),
-            stopped.astype(np.int64),
+            learn.records(learn.continued, 1)[0].astype(np.int64),
+            learn.records(learn.ended, 1)[0].astype(np.int64),
             learn.records(learn.tool_gaps, 1)[0],
-            length_classes(went_on_level, mean_at(went_on_at)),
-            length_classes(stopped_level, mean_at(stopped_at)),
         )
         st.prefill_latency_s.add_all(learn.records(learn.prefill_s, 1)[0])
         seconds, ts = learn.records(learn.tool_s, 2)
         # weighted as of the call's start, like the calls still running (see survival_table)
         st.tool_latency.add_all(seconds, ts - seconds)
-        self._learn_decodes(*decodes)
+        self._learn_decodes(*learn.records(learn.decodes, 4))
 
     def _learn_decodes(
-        self, g_col: np.ndarray, out: np.ndarray, seconds: np.ndarray, ts: np.ndarray,
-        level: np.ndarray,
-    ) -> None:  # fmt: skip
+        self, g_col: np.ndarray, out: np.ndarray, seconds: np.ndarray, ts: np.ndarray
+    ) -> None:
         """Output lengths (overall and per GRPO group) and decode durations. A duration is
         learned relative to its group's length factor as of that sample: the running
         statistics before each sample are rebuilt with cumulative sums."""
@@ -353,11 +323,7 @@ class LifecycleTable:
         gsum[grouped] += group_sum[gi]
         has_factor = grouped & (seen_n > 0) & (gn > 0)
         log_factor = (gsum + k * seen_mean) / (gn + k) - seen_mean
-        log_factor = np.where(has_factor, log_factor, 0.0)
-        # the trajectory's own recent answers, where it has given some (see `length_factors`)
-        own = ~np.isnan(level) & (seen_n > 0)
-        log_factor[own] += LEVEL_WEIGHT * (level[own] - seen_mean[own] - log_factor[own])
-        factor = np.exp(log_factor)
+        factor = np.exp(np.where(has_factor, log_factor, 0.0))
         np.add.at(group_n, gi, 1.0)
         np.add.at(group_sum, gi, y[grouped])
         del group_n, group_sum  # views into the columns: release before they can grow
@@ -388,7 +354,6 @@ class LifecycleTable:
         self.context[i] = self.pending[i] = 0
         self.tool_hint[i] = _NO_HINT
         self.tool_out_est[i] = -1.0
-        self.out_log_est[i] = math.nan
         self.after_tool[i] = 0
         self.group[i] = -1
         for j in range(_TYPES * i, _TYPES * i + _TYPES):
@@ -405,7 +370,6 @@ class LifecycleTable:
             _grow(int_col, n, 0)
         for col in (self.state_since, self.last_ts, self.started_at, self.tool_out_est):
             _grow(col, n, 0.0)
-        _grow(self.out_log_est, n, math.nan)
         _grow(self.tool_hint, n, _NO_HINT)
         _grow(self._latest_ts, _TYPES * n, -math.inf)
 
@@ -559,7 +523,6 @@ class LifecycleTable:
             state_since=np.array(self.state_since, dtype=np.float64)[live],
             context=np.array(self.context, dtype=np.int64)[live],
             tool_out_est=np.array(self.tool_out_est, dtype=np.float64)[live],
-            out_log_est=np.array(self.out_log_est, dtype=np.float64)[live],
             tool_hint=np.array(self.tool_hint, dtype=np.float64)[live],
             group=np.array(self.group, dtype=np.int64)[live],
             tool_seen=(state[live] == _TOOL) | (np.array(self.after_tool, dtype=np.int8)[live] > 0),
@@ -599,7 +562,6 @@ class Rows:
     state_since: np.ndarray
     context: np.ndarray
     tool_out_est: np.ndarray  # -1: none yet
-    out_log_est: np.ndarray  # recency-weighted log output tokens, NaN: none yet
     tool_hint: np.ndarray  # NaN: none
     group: np.ndarray  # group row, -1: none
     tool_seen: np.ndarray  # a tool call reported since the last turn (bool)
