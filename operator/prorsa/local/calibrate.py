@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -155,17 +155,20 @@ class _Engine:
         )
 
 
-def _fit(t_short: float, t_long: float, short: int, long_: int) -> tuple[float, float]:
-    """Prefill tokens/s and fixed seconds per request from two prompt lengths."""
-    tps = (long_ - short) / max(t_long - t_short, 1e-4)
-    return tps, max(t_short - short / tps, 0.0)
+_SHORT, _LONG = 128, 1024  # the prefill calibration's prompt lengths
 
 
-def _per_seq(step_b: float, step: float, batch: float, per_kv: float) -> float:
-    """Each extra sequence's cost: a step of `batch` short sequences over one of them, less
-    the KV the extra ones add."""
-    extra = max(batch - 1.0, 1.0)
-    return max((step_b - step) / extra - per_kv * SHORT_KV, 0.0)
+def _figures(prefill_short: float, prefill_long: float, step: float, step_long: float,
+             step_b: float, batch: float, kv_tokens: float) -> Calibration:  # fmt: skip
+    """A calibration from what was timed: prefills of the two prompt lengths (the difference
+    cancels fixed costs), a step of one short sequence and of one over LONG_PROMPT, and the
+    mean step of `batch` short ones."""
+    tps = (_LONG - _SHORT) / max(prefill_long - prefill_short, 1e-4)
+    fixed = max(prefill_short - _SHORT / tps, 0.0)
+    per_kv = max(step_long - step, 0.0) / (LONG_PROMPT - 16)
+    # each extra sequence: the batch's step over one sequence's, less the KV it adds
+    per_seq = max((step_b - step) / max(batch - 1.0, 1.0) - per_kv * SHORT_KV, 0.0)
+    return Calibration(tps, fixed, step, per_seq, kv_tokens, per_kv)
 
 
 async def calibrate(url: str, model: str, model_dir: Path, kv_cache_gib: float,
@@ -182,35 +185,31 @@ async def calibrate(url: str, model: str, model_dir: Path, kv_cache_gib: float,
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         timer = _Timer(s, url, model)
         await timer.timed([prompt(64, 0)], 4)  # warm-up
-        short, long_ = 128, 1024
-        t_short, e_short = best([await timer.timed([prompt(short, i)], 1)
+        t_short, e_short = best([await timer.timed([prompt(_SHORT, i)], 1)
                                  for i in range(repeats)], "prefill_s")  # fmt: skip
-        t_long, e_long = best([await timer.timed([prompt(long_, 10 + i)], 1)
+        t_long, e_long = best([await timer.timed([prompt(_LONG, 10 + i)], 1)
                                for i in range(repeats)], "prefill_s")  # fmt: skip
-        tps, fixed = _fit(t_short, t_long, short, long_)
         one, _ = best([await timer.timed([prompt(16, 20 + i)], 1) for i in range(repeats)],
                       "step_s")  # fmt: skip
         many, e_step = best([await timer.timed([prompt(16, 30 + i)], 33)
                              for i in range(repeats)], "step_s")  # fmt: skip
-        step = max((many - one) / 32, 1e-4)
         one_long, _ = best([await timer.timed([prompt(LONG_PROMPT, 50 + i)], 1)
                             for i in range(repeats)], "step_s")  # fmt: skip
         many_long, e_long_step = best([await timer.timed([prompt(LONG_PROMPT, 60 + i)], 33)
                                        for i in range(repeats)], "step_s")  # fmt: skip
-        per_kv = max((many_long - one_long) / 32 - step, 0.0) / (LONG_PROMPT - 16)
         batch = 8
         wall_b, eng_b = await timer.timed([prompt(16, 40 + i) for i in range(batch)], 33)
-        step_b = max((wall_b - one) / 32, step)
-        per_seq = _per_seq(step_b, step, batch, per_kv)
     kv_tokens = kv_cache_gib * 2**30 / kv_bytes_per_token(model_dir)
+    # the client's steps: a request of 33 tokens less one of 1, over the 32 tokens between
+    step = max((many - one) / 32, 1e-4)
+    wall = _figures(t_short, t_long, step, (many_long - one_long) / 32,
+                    max((wall_b - one) / 32, step), batch, kv_tokens)  # fmt: skip
     engine = None
     if (
         e_short is not None and e_long is not None and e_step is not None
         and e_long_step is not None and eng_b.step_s is not None and eng_b.batch is not None
     ):  # fmt: skip
-        e_tps, e_fixed = _fit(e_short, e_long, short, long_)
-        e_per_kv = max(e_long_step - e_step, 0.0) / (LONG_PROMPT - 16)
-        # the batch's mean step, each step weighted by its sequences (as ITL reports it)
-        e_per_seq = _per_seq(eng_b.step_s, e_step, eng_b.batch, e_per_kv)
-        engine = Calibration(e_tps, e_fixed, e_step, e_per_seq, kv_tokens, e_per_kv)
-    return Calibration(tps, fixed, step, per_seq, kv_tokens, per_kv, engine)
+        # the engine's steps as ITL reports them: the batch's weighted by its sequences
+        engine = _figures(e_short, e_long, e_step, e_long_step, eng_b.step_s, eng_b.batch,
+                          kv_tokens)  # fmt: skip
+    return replace(wall, engine=engine)
