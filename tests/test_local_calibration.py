@@ -9,6 +9,7 @@ import pytest
 
 from prorsa.control.engine_metrics import parse_engine_metrics
 from prorsa.local.calibrate import SHORT_KV, Calibration, _Engine, agreement
+from prorsa.policy.learn import CapacityEstimator
 from prorsa.sim.costmodel import MeasuredCost
 
 DATA = Path(__file__).parent / "data"
@@ -52,10 +53,35 @@ def test_the_simulators_measured_cost_steps_as_the_calibration_priced() -> None:
     at any batch and KV is the one the allocator prices, long contexts included."""
     cal = Calibration(20_000.0, 0.004, 0.007, 0.0002, 1e6, decode_s_per_kv_token=3e-7)
     cap = cal.capacity()
-    cost = MeasuredCost(cal.prefill_tokens_per_s, cal.prefill_fixed_s, cap.decode_base_step_s,
-                        cap.decode_s_per_seq, cal.kv_capacity_tokens,
-                        cap.decode_s_per_kv_token)  # fmt: skip
+    cost = MeasuredCost.from_capacity(cap)
+    assert cost.prefill_s(500, 0.0) == pytest.approx(0.004 + 500 / 20_000.0)
     for batch, kv in ((1, SHORT_KV), (32, 32 * 300.0), (8, 8 * 4000.0)):
         assert cost.decode_step_s(batch, kv) == pytest.approx(cap.decode_step_s(batch, kv))
     assert cost.decode_step_s(32, 32 * 300.0) > cost.decode_step_s(32, 32 * SHORT_KV) * 1.15
     assert cost.role_capacity().decode_step_s(8, 1e4) == pytest.approx(cap.decode_step_s(8, 1e4))
+
+
+def test_the_simulator_prices_a_capacity_learned_online_as_the_controller_does() -> None:
+    """`sim_vs_real` also simulates with what the controller learned during the run: prefill
+    with its context term, the decode step, the KV capacity, priced back as learned."""
+    est = CapacityEstimator(Calibration(20_000.0, 0.004, 0.007, 0.0002, 1e6).capacity(),
+                            prior_rel_sd=0.5, noise_rel=0.05)  # fmt: skip
+    for i in range(60):  # a slower cluster than the prior: prefill slows with context
+        tokens, context = 200.0 + 30 * (i % 7), 1000.0 * (i % 5)
+        est.observe_prefill(tokens, context, 0.006 + tokens * (8e-5 + 2e-8 * context), float(i))
+        est.observe_decode_step(4.0 + i % 9, 300.0 * (4 + i % 9), 0.012 + 4e-4 * (4 + i % 9),
+                                float(i))  # fmt: skip
+    learned = est.capacity()
+    assert learned.prefill_s_per_token_per_context > 0
+    cost = MeasuredCost.from_capacity(learned)
+    for tokens, context in ((100.0, 0.0), (400.0, 3000.0), (1024.0, 8192.0)):
+        assert cost.prefill_s(tokens, context) == pytest.approx(learned.prefill_s(tokens, context))
+        assert cost.role_capacity().prefill_s(tokens, context) == pytest.approx(
+            learned.prefill_s(tokens, context)
+        )
+    assert cost.prefill_s(400.0, 3000.0) > cost.prefill_s(400.0, 0.0) * 1.1
+    for batch, kv in ((1, 300.0), (8, 2400.0)):
+        assert cost.decode_step_s(batch, kv) == pytest.approx(learned.decode_step_s(batch, kv))
+    assert cost.mixed_step_s(4, 1200.0, 300.0, 2000.0) == pytest.approx(
+        learned.decode_step_s(4, 1200.0) + learned.prefill_s(300.0, 2000.0) - cost.prefill_fixed_s
+    )

@@ -211,8 +211,9 @@ class MeasuredCost(OneGPUWorker):
     """A cost model fitted to a real worker instead of derived from a datasheet: prefill is a
     fixed cost plus tokens over a measured throughput, a decode step a measured base plus a
     per-sequence cost and a cost per KV token it attends, a chunked-prefill step the two
-    added. Used to check the simulator
-    against real vLLM workers (`benchmarks/sim_vs_real.py`)."""
+    added. Built from an offline calibration or from what the controller learned online
+    (`from_capacity`), to check the simulator against real vLLM workers
+    (`benchmarks/sim_vs_real.py`)."""
 
     prefill_tokens_per_s: float
     prefill_fixed_s: float
@@ -220,9 +221,28 @@ class MeasuredCost(OneGPUWorker):
     decode_per_seq_s: float
     kv_capacity: float
     decode_per_kv_s: float = 0.0
+    # seconds each new token adds per cached token it attends (0: not measured)
+    prefill_per_token_per_context_s: float = 0.0
     transfer_s: float = 0.005  # one NIXL pull between workers on one host
     switch_mode: str = "routing"
     eff: Efficiency = Efficiency(chunk_tokens=2048)
+
+    @classmethod
+    def from_capacity(cls, cap: RoleCapacity) -> MeasuredCost:
+        """The cost a `RoleCapacity` prices (a calibration's, or what the controller learned
+        online): its fixed cost per prefill request, its marginal rate at no context, its
+        context term and its decode step, as `role_capacity()` gives them back."""
+        fixed = cap.prefill_s(0.0, 0.0)
+        per_token = cap.prefill_s(1.0, 0.0) - fixed  # at no context: the marginal rate
+        return cls(
+            prefill_tokens_per_s=1.0 / max(per_token, 1e-12),
+            prefill_fixed_s=fixed,
+            decode_base_s=cap.decode_base_step_s,
+            decode_per_seq_s=cap.decode_s_per_seq,
+            kv_capacity=cap.kv_capacity_tokens,
+            decode_per_kv_s=cap.decode_s_per_kv_token,
+            prefill_per_token_per_context_s=cap.prefill_s_per_token_per_context,
+        )
 
     @property
     def kv_capacity_tokens(self) -> float:
@@ -232,8 +252,12 @@ class MeasuredCost(OneGPUWorker):
     def restart_s(self) -> float:
         return 0.0
 
+    def _prefill_tokens_s(self, tokens: float, context: float) -> float:
+        per_token = 1.0 / self.prefill_tokens_per_s
+        return max(tokens, 0.0) * (per_token + self.prefill_per_token_per_context_s * context)
+
     def prefill_s(self, new_tokens: float, context: float) -> float:
-        return self.prefill_fixed_s + max(new_tokens, 0.0) / self.prefill_tokens_per_s
+        return self.prefill_fixed_s + self._prefill_tokens_s(new_tokens, context)
 
     def decode_step_s(self, batch: float, kv_tokens: float) -> float:
         if batch <= 0:
@@ -244,7 +268,7 @@ class MeasuredCost(OneGPUWorker):
         self, batch: float, kv_tokens: float, chunk: float, chunk_ctx: float, jobs: int = 1
     ) -> float:
         base = self.decode_step_s(batch, kv_tokens) if batch > 0 else self.prefill_fixed_s
-        return base + chunk / self.prefill_tokens_per_s
+        return base + self._prefill_tokens_s(chunk, chunk_ctx)
 
     def kv_transfer_s(self, tokens: float) -> float:
         return self.transfer_s
@@ -259,6 +283,8 @@ class MeasuredCost(OneGPUWorker):
             decode_s_per_seq=self.decode_per_seq_s,
             decode_s_per_kv_token=self.decode_per_kv_s,
             kv_capacity_tokens=self.kv_capacity,
+            prefill_s_per_token_per_context=self.prefill_per_token_per_context_s,
+            prefill_context=0.0,  # the quoted rate is the one at no context
         )
 
 
