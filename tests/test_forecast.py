@@ -381,3 +381,34 @@ def test_before_any_tool_call_ended_the_calls_in_flight_are_expected_to_last() -
     per_turn = tab.stats.tool_output_after(np.array([1]))[0] * tab.stats.p_continue_after_tool
     returned = sum(fc.prefill_tokens_per_s) * H.step_s / per_turn
     assert 0.5 < returned < 0.15 * 80, returned
+
+
+def test_the_chains_next_decodes_are_as_long_as_the_live_trajectories_groups_answer() -> None:
+    """Two tables that learned the same answers (groups answering 3,000 tokens and groups
+    answering 30), where the 50 trajectories in a tool call now belong to the long groups
+    (a) or the short ones (b): their next turns, which the chain plays, decode as long as
+    their groups' answers, not as long as the average answer ended so far."""
+    now, fcs = 300.0, []
+    for live_groups in ("L", "S"):
+        tab = LifecycleTable()
+        for i in range(200):  # finished: two turns, 1 s tools
+            tid, long_ = f"h{i}", i % 2 == 0
+            out = 3000 if long_ else 30
+            tab.apply(Event(EventType.TRAJ_START, tid, 0.0, group=f"{'LS'[i % 2]}{i % 10}"))
+            tab.ingest(turn(tid, 0.0, 500, 500, out, decode_s=out * 0.01))
+            t1 = 0.1 + out * 0.01
+            tab.apply(Event(EventType.TOOL_START, tid, t1))
+            tab.apply(Event(EventType.TOOL_END, tid, t1 + 1.0))
+            tab.ingest(turn(tid, t1 + 1.0, 1500, 500, out, decode_s=out * 0.01))
+            tab.apply(Event(EventType.TRAJ_END, tid, t1 + 2.0 + out * 0.01))
+        for i in range(50):  # live: one answer as long as their group's, in a tool call now
+            tid = f"live{i}"
+            out = 3000 if live_groups == "L" else 30
+            tab.apply(Event(EventType.TRAJ_START, tid, now - 40.0, group=f"{live_groups}{i % 10}"))
+            tab.ingest(turn(tid, now - 40.0, 500, 500, out, decode_s=out * 0.01))
+            tab.apply(Event(EventType.TOOL_START, tid, now - 0.5))
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0)
+        fcs.append(f.forecast(tab, now, H))
+    long_, short = fcs
+    # (played at the average answer's length, as before the mix: 34.7 against 32.9)
+    assert long_.decode_seqs[0] > short.decode_seqs[0] + 10

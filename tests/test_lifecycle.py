@@ -202,6 +202,9 @@ def test_a_batch_teaches_what_the_same_events_one_by_one_teach() -> None:
     assert a.recompute_share.value == pytest.approx(b.recompute_share.value)
     assert a.tool_out_sum_by_turn == pytest.approx(b.tool_out_sum_by_turn)
     assert (a.continue_by_turn, a.stop_by_turn) == (b.continue_by_turn, b.stop_by_turn)
+    assert a.continue_by_class.sum() > 0 and a.stop_by_class.sum() > 0
+    assert (a.continue_by_class == b.continue_by_class).all()
+    assert (a.stop_by_class == b.stop_by_class).all()
     for g in ("g0", "g7", "g39", "unseen"):
         assert whole.group_log_mean(g) == pytest.approx(single.group_log_mean(g))
 
@@ -272,3 +275,23 @@ def test_tool_calls_are_learned_as_of_their_start_like_the_calls_still_running()
     ratio = h.counts[h.index(300.0)] / h.counts[h.index(10.0)]
     assert ratio == pytest.approx(float(h.start_weights(np.array([290.0]))[0]), rel=1e-6)
     assert ratio < 0.8
+
+
+def test_continuation_is_learned_per_answer_length_class() -> None:
+    """Half the trajectories answer briefly and go on; the other half give one long answer
+    at their second turn and end: by turn depth alone, a coin toss; by the length of the
+    answers each has been giving, all but certain."""
+    tab = LifecycleTable()
+    for i in range(100):
+        tid, long_ = f"t{i}", i % 2 == 1
+        tab.ingest([start(tid, 0.0), *turn(tid, 1.0, 100, 100, 10)])
+        tab.ingest(turn(tid, 4.0, 300, 190, 1000 if long_ else 10))
+        if not long_:
+            tab.ingest(turn(tid, 7.0, 500, 190, 10))
+        tab.apply(Event(EventType.TRAJ_END, tid, 9.0))
+    st = tab.stats
+    by_turn = st.p_continue_after(np.array([2]))[0]
+    short, long_after = st.p_continue_after(np.array([2, 2]), np.array([0, 2]))
+    assert 0.3 < by_turn < 0.7
+    assert short > 0.9 and long_after < 0.1
+    assert st.p_continue_after(np.array([2]), np.array([-1]))[0] == by_turn  # no answer yet

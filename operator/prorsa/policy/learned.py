@@ -46,6 +46,10 @@ class LearnedStats:
     # The same, per turn index (log-spaced bins): agents stop more often at some depths.
     continue_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     stop_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
+    # ... and by the length class of the trajectory's recent answers (`length_classes`): the
+    # phase of a task whose answers are long (or short) may be the one that ends it.
+    continue_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
+    stop_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
     # Tool output size per turn depth: agents plan with short observations, then act with long.
     tool_out_sum_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     tool_out_n_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
@@ -89,12 +93,21 @@ class LearnedStats:
         """P(another turn follows | the trajectory reported a tool call since its last turn)."""
         return self.tool_continue_count / (self.tool_continue_count + self.tool_stop_count)
 
-    def p_continue_after(self, turns: np.ndarray) -> np.ndarray:
-        """P(another turn follows turn k) for each k, shrunk toward the overall rate."""
+    def p_continue_after(self, turns: np.ndarray, classes: np.ndarray | None = None) -> np.ndarray:
+        """P(another turn follows turn k) for each k, shrunk toward the overall rate; with
+        `classes` (each trajectory's answer-length class, -1: none yet), per class, shrunk
+        toward that."""
         c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
         prior = 4.0
         by_bin: np.ndarray = (c + prior * self.p_continue) / (c + s + prior)
-        return np.take(by_bin, turn_bins(turns))
+        bins = turn_bins(turns)
+        out: np.ndarray = np.take(by_bin, bins)
+        if classes is not None:
+            known = classes >= 0
+            k, b = classes[known], bins[known]
+            cc, sc = self.continue_by_class[k, b], self.stop_by_class[k, b]
+            out[known] = (cc + prior * out[known]) / (cc + sc + prior)
+        return out
 
     def mean_tool_output(self) -> float:
         """Tokens a returning turn appends: as learned; before any was seen, a typical tool
@@ -113,10 +126,19 @@ class LearnedStats:
         return np.take(by_bin, turn_bins(turns + 1))
 
     def learn_continuations(
-        self, continued_after: np.ndarray, ended_after: np.ndarray, after_tool: np.ndarray
-    ) -> None:
+        self, continued_after: np.ndarray, ended_after: np.ndarray, after_tool: np.ndarray,
+        continued_class: np.ndarray | None = None, ended_class: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         """Turns another turn followed, turns the trajectory ended after, and for the gaps
-        with a reported tool call, whether a turn followed (1) or the trajectory ended (0)."""
+        with a reported tool call, whether a turn followed (1) or the trajectory ended (0);
+        the answer-length class of each trajectory then (-1: none)."""
+        for turns, classes, table in (
+            (continued_after, continued_class, self.continue_by_class),
+            (ended_after, ended_class, self.stop_by_class),
+        ):
+            if classes is not None and turns.size:
+                known = classes >= 0
+                np.add.at(table, (classes[known], turn_bins(turns[known])), 1.0)
         went_on = float(np.count_nonzero(after_tool))
         self.tool_continue_count += went_on
         self.tool_stop_count += float(after_tool.size) - went_on
@@ -145,6 +167,23 @@ class LearnedStats:
 
 
 _TURN_BINS = 16
+
+
+def length_class(factor: np.ndarray) -> np.ndarray:
+    """Short (0), average (1) or long (2) answers, from a length factor (answer length over
+    the overall mean: below 0.7, up to 1.4, beyond)."""
+    out: np.ndarray = np.where(factor < 0.7, 0, np.where(factor < 1.4, 1, 2))
+    return out
+
+
+def length_classes(log_levels: np.ndarray, log_mean: np.ndarray | float) -> np.ndarray:
+    """`length_class` of log answer lengths against the overall log mean (one, or one per
+    level); -1 where either is unknown (NaN)."""
+    diff = log_levels - log_mean
+    known = ~np.isnan(diff)
+    out = np.full(log_levels.shape, -1, dtype=np.int64)
+    out[known] = length_class(np.exp(diff[known]))
+    return out
 
 
 def turn_bins(turns: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 
 from prorsa.policy.events import Event, EventType, State, Trajectory
 from prorsa.policy.learned import LearnedStats
+from prorsa.policy.samples import Samples
 
 # State as plain ints, for the columns; DONE also marks a free row.
 _WAITING, _PREFILL, _DECODE, _TOOL, _DONE = range(5)
@@ -42,35 +43,13 @@ _CODE = {e: i for i, e in enumerate(EventType)}  # event type -> small int, for 
 _START, _SUBMIT, _PREFILLED, _DECODED, _TOOL_START, _TOOL_END, _END = range(7)
 _TYPES = len(_CODE)
 _NO_HINT = math.nan
+# A trajectory's answer-length level (recency-weighted log output tokens): each answer moves
+# it this far, as the phases of a task change how long its answers are.
+_LEVEL_RATE = 0.5
 
 
 def _grow(col: array[Any], n: int, fill: float) -> None:
     col.extend(array(col.typecode, [fill]) * n)
-
-
-class _Samples:
-    """What one batch of events teaches the statistics, in event order: flat float columns
-    (a record's fields side by side) that numpy reads without copying."""
-
-    __slots__ = ("appended", "continued", "decodes", "ended", "first_prompts", "pool",
-                 "prefill_s", "remote", "tool_gaps", "tool_s")  # fmt: skip
-
-    def __init__(self) -> None:
-        self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
-        self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
-        self.first_prompts = array("d")  # (prompt tokens, demand tokens)
-        self.appended = array("d")  # (turn, tokens appended, uncached, context before)
-        self.continued = array("d")  # turns another turn followed
-        self.ended = array("d")  # turns the trajectory ended after
-        self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
-        self.prefill_s = array("d")
-        self.tool_s = array("d")  # (seconds, ts)
-        self.decodes = array("d")  # (group row, output tokens, seconds, ts)
-
-    @staticmethod
-    def records(col: array[float], width: int) -> np.ndarray:
-        """Column `j` of the result: field j of every record."""
-        return np.frombuffer(col, dtype=np.float64).reshape(-1, width).T.copy()
 
 
 class LifecycleTable:
@@ -118,6 +97,7 @@ class LifecycleTable:
         self.pending = array("q")  # uncached tokens of the submitted, unprefilled turn
         self.tool_hint = array("d")  # client's expected tool seconds (NaN: none)
         self.tool_out_est = array("d")  # recency-weighted appended tokens (-1: none yet)
+        self.out_log_est = array("d")  # recency-weighted log output tokens (NaN: none yet)
         self.after_tool = array("b")  # waiting after an explicit tool_end (not an inferred gap)
         self.group = array("q")  # group row (-1: none)
         self._latest_ts = array("d")  # per row and event type: its latest ts (duplicates)
@@ -147,12 +127,13 @@ class LifecycleTable:
         last_ts, state, since, turn = self.last_ts, self.state, self.state_since, self.turn
         context, pending = self.context, self.pending
         tool_hint, tool_out_est, after_tool = self.tool_hint, self.tool_out_est, self.after_tool
+        out_log_est = self.out_log_est
         latest_ts, group = self._latest_ts, self.group
-        learn = _Samples()
+        learn = Samples()
         remote, appended, decodes = learn.remote.extend, learn.appended.extend, learn.decodes.extend
         pool = learn.pool.extend
         prefill_s, tool_s = learn.prefill_s.append, learn.tool_s.extend
-        first_prompt, continued = learn.first_prompts.extend, learn.continued.append
+        first_prompt, continued = learn.first_prompts.extend, learn.continued.extend
         now = self.now
         dups = late_n = submitted = 0
         for ev in events:
@@ -204,7 +185,7 @@ class LifecycleTable:
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
-                        continued(k)
+                        continued((k, out_log_est[i], len(learn.decodes) // 4))
                         if old == _TOOL or after_tool[i]:
                             learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
@@ -226,6 +207,9 @@ class LifecycleTable:
             elif code == _DECODED:
                 if ev.output_tokens > 0:
                     decodes((group[i], ev.output_tokens, ev.seconds, ts))
+                    level = out_log_est[i]  # its answers change length as its task moves on
+                    y = math.log(ev.output_tokens)
+                    out_log_est[i] = y if level != level else level + _LEVEL_RATE * (y - level)
                 if not late:
                     context[i] += ev.output_tokens  # the next turn's prompt contains it
                     if old in _IN_TURN:
@@ -245,7 +229,7 @@ class LifecycleTable:
                 self._on_traj_start(i, ev)
             else:
                 if old in _BETWEEN_TURNS:
-                    learn.ended.append(turn[i])
+                    learn.ended.extend((turn[i], out_log_est[i], len(learn.decodes) // 4))
                     if old == _TOOL or after_tool[i]:
                         learn.tool_gaps.append(0.0)
                 self._end(i)
@@ -257,88 +241,7 @@ class LifecycleTable:
         self.duplicates_total += dups
         self.late_total += late_n
         self.submitted_tokens_total += submitted
-        self._learn(learn)
-
-    def _learn(self, learn: _Samples) -> None:
-        st = self.stats
-        tokens, is_remote = learn.records(learn.remote, 2)
-        # token-weighted: a big remote prefill counts more than a small local append
-        st.remote_share.add_all(is_remote, np.minimum(1.0, tokens / 4096.0))
-        demand, computed = learn.records(learn.pool, 2)
-        st.worthy_tokens.add_all(demand)
-        st.pool_tokens.add_all(computed)
-        prompts, demands = learn.records(learn.first_prompts, 2)
-        st.first_prompt_tokens.add_all(prompts)
-        st.first_prompt_demand.add_all(demands)
-        turn, grew, uncached, ctx = learn.records(learn.appended, 4)
-        st.tool_output_tokens.add_all(grew)
-        has_ctx = ctx > 0
-        st.recompute_share.add_all(
-            np.minimum(np.maximum(uncached - grew, 0.0)[has_ctx] / ctx[has_ctx], 1.0)
-        )
-        st.learn_appended(turn.astype(np.int64) + 1, grew)
-        st.learn_continuations(
-            learn.records(learn.continued, 1)[0].astype(np.int64),
-            learn.records(learn.ended, 1)[0].astype(np.int64),
-            learn.records(learn.tool_gaps, 1)[0],
-        )
-        st.prefill_latency_s.add_all(learn.records(learn.prefill_s, 1)[0])
-        seconds, ts = learn.records(learn.tool_s, 2)
-        # weighted as of the call's start, like the calls still running (see survival_table)
-        st.tool_latency.add_all(seconds, ts - seconds)
-        self._learn_decodes(*learn.records(learn.decodes, 4))
-
-    def _learn_decodes(
-        self, g_col: np.ndarray, out: np.ndarray, seconds: np.ndarray, ts: np.ndarray
-    ) -> None:
-        """Output lengths (overall and per GRPO group) and decode durations. A duration is
-        learned relative to its group's length factor as of that sample: the running
-        statistics before each sample are rebuilt with cumulative sums."""
-        if not g_col.size:
-            return
-        st, k = self.stats, self.group_prior_weight
-        g = g_col.astype(np.int64)
-        m = g.size
-        y = np.log(np.maximum(out, 1.0))
-        earlier = np.arange(m)
-        moments = st.output_len
-        n0, mean0 = moments.n, moments.mean
-        seen_n = n0 + earlier  # overall samples before each one, and their mean
-        seen_mean = (n0 * mean0 + np.cumsum(y) - y) / np.maximum(seen_n, 1.0)
-        # the same per group: sort by group, cumulative sums restart at each group's run
-        grouped = g >= 0
-        order = np.argsort(g, kind="stable")  # ungrouped samples (-1) form their own run
-        sorted_g, sorted_y = g[order], y[order]
-        run_start = np.maximum.accumulate(
-            np.where(np.r_[True, sorted_g[1:] != sorted_g[:-1]], earlier, 0)
-        )
-        cum = np.cumsum(sorted_y)
-        gn, gsum = np.empty(m), np.empty(m)
-        gn[order] = earlier - run_start
-        gsum[order] = (cum - sorted_y) - (cum[run_start] - sorted_y[run_start])
-        gi = g[grouped]
-        group_n = np.frombuffer(self.group_n, dtype=np.float64)
-        group_sum = np.frombuffer(self.group_log_sum, dtype=np.float64)
-        gn[grouped] += group_n[gi]
-        gsum[grouped] += group_sum[gi]
-        has_factor = grouped & (seen_n > 0) & (gn > 0)
-        log_factor = (gsum + k * seen_mean) / (gn + k) - seen_mean
-        factor = np.exp(np.where(has_factor, log_factor, 0.0))
-        np.add.at(group_n, gi, 1.0)
-        np.add.at(group_sum, gi, y[grouped])
-        del group_n, group_sum  # views into the columns: release before they can grow
-        # overall log-length moments: Chan's parallel combination of (n, mean, M2)
-        batch_mean = float(y.mean())
-        delta = batch_mean - mean0
-        n = n0 + m
-        moments.n = n
-        moments.mean = mean0 + delta * m / n
-        moments.m2 += float(((y - batch_mean) ** 2).sum()) + delta * delta * n0 * m / n
-        timed = seconds > 0
-        # at the decode's start: see `LogHistogram.survival_table` on censored durations
-        st.decode_duration.add_all(seconds[timed] / factor[timed], ts[timed] - seconds[timed])
-        st.decode_s.add_all(seconds[timed])
-        st.decode_tokens.add_all(out[timed])
+        learn.teach(self.stats, self.group_n, self.group_log_sum, self.group_prior_weight)
 
     def _create(self, traj_id: str, ts: float) -> int:
         if len(self.rows) >= self.max_trajectories:
@@ -354,6 +257,7 @@ class LifecycleTable:
         self.context[i] = self.pending[i] = 0
         self.tool_hint[i] = _NO_HINT
         self.tool_out_est[i] = -1.0
+        self.out_log_est[i] = math.nan
         self.after_tool[i] = 0
         self.group[i] = -1
         for j in range(_TYPES * i, _TYPES * i + _TYPES):
@@ -370,6 +274,7 @@ class LifecycleTable:
             _grow(int_col, n, 0)
         for col in (self.state_since, self.last_ts, self.started_at, self.tool_out_est):
             _grow(col, n, 0.0)
+        _grow(self.out_log_est, n, math.nan)
         _grow(self.tool_hint, n, _NO_HINT)
         _grow(self._latest_ts, _TYPES * n, -math.inf)
 
@@ -523,6 +428,7 @@ class LifecycleTable:
             state_since=np.array(self.state_since, dtype=np.float64)[live],
             context=np.array(self.context, dtype=np.int64)[live],
             tool_out_est=np.array(self.tool_out_est, dtype=np.float64)[live],
+            out_log_est=np.array(self.out_log_est, dtype=np.float64)[live],
             tool_hint=np.array(self.tool_hint, dtype=np.float64)[live],
             group=np.array(self.group, dtype=np.int64)[live],
             tool_seen=(state[live] == _TOOL) | (np.array(self.after_tool, dtype=np.int8)[live] > 0),
@@ -562,6 +468,7 @@ class Rows:
     state_since: np.ndarray
     context: np.ndarray
     tool_out_est: np.ndarray  # -1: none yet
+    out_log_est: np.ndarray  # recency-weighted log output tokens, NaN: none yet
     tool_hint: np.ndarray  # NaN: none
     group: np.ndarray  # group row, -1: none
     tool_seen: np.ndarray  # a tool call reported since the last turn (bool)
