@@ -43,7 +43,6 @@ from rich.console import Console
 
 from prorsa.control.metrics import capacity_figures
 from prorsa.local.calibrate import Calibration, calibrate
-from prorsa.local.cpu import StackShare
 from prorsa.local.driver import scale_scripts
 from prorsa.local.model import make_tiny_model
 from prorsa.local.redis_server import RedisServer
@@ -94,14 +93,12 @@ async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Ca
     """One real rollout: its makespan, turns, the CPU share the rest of the stack took from
     the engines while it ran, and where a turn's time went."""
     urls = [w.url for w in stack.workers]
-    engine_s, meter = await _engine_seconds(urls), StackShare()
-    async with meter.sampling():
-        run = await run_policy(opts, stack, redis, cal, policy, console)
+    engine_s = await _engine_seconds(urls)
+    run = await run_policy(opts, stack, redis, cal, policy, console)
     real = run.result
-    share = meter.last(real.makespan_s)
     engine_s = await _engine_seconds(urls) - engine_s
     return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
-            "stack_cpu_share": share,
+            "stack_cpu_share": run.stack_cpu_share,
             "turn_s": statistics.fmean(t.seconds for t in real.turns),
             "engine_s_per_turn": engine_s / max(real.turns_ok, 1),
             "learned": run.capacity, "learned_evidence": run.evidence}  # fmt: skip

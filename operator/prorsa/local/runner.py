@@ -31,6 +31,7 @@ from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventReader
 from prorsa.local.calibrate import Calibration, agreement, calibrate
 from prorsa.local.cluster import LocalCluster
+from prorsa.local.cpu import StackShare
 from prorsa.local.driver import DriveResult, Progress, Scale, drive, scale_scripts
 from prorsa.local.model import check_model_dir, make_tiny_model
 from prorsa.local.redis_server import RedisServer
@@ -86,6 +87,8 @@ class PolicyRun:
     started_at: float = 0.0  # the controller's clock when the rollout started
     capacity: RoleCapacity | None = None  # what the controller priced with at the end
     evidence: dict[str, float] | None = None  # what it had learned it from (None: not learning)
+    # the share of the machine's CPU the rest of the stack took from the engines meanwhile
+    stack_cpu_share: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The same fields `prorsa simulate --json` writes for a policy, and what only a real
@@ -116,6 +119,7 @@ class PolicyRun:
             ],
             "capacity": capacity_figures(self.capacity) if self.capacity else None,
             "capacity_evidence": self.evidence,
+            "stack_cpu_share": self.stack_cpu_share,
             "errors": r.errors,
         }
 
@@ -262,20 +266,23 @@ async def run_policy(
             await asyncio.sleep(0.5)
 
     concurrency = 0 if opts.mode == "sync" else max(1, opts.trajectories // 2)
+    meter = StackShare()
     with Live(console=console, refresh_per_second=4, transient=True,
               auto_refresh=opts.live) as live:  # fmt: skip
         view = asyncio.create_task(watch(live.update))
         try:
-            result = await drive(stack.router_url, scripts, model=SERVED_MODEL, seed=opts.seed,
-                                 concurrency=concurrency, on_progress=progress,
-                                 prefix=f"{policy}-")  # fmt: skip
+            async with meter.sampling():
+                result = await drive(stack.router_url, scripts, model=SERVED_MODEL,
+                                     seed=opts.seed, concurrency=concurrency,
+                                     on_progress=progress, prefix=f"{policy}-")  # fmt: skip
         finally:
             view.cancel()
             stop.set()
             await control
     evidence = ctl.learner.evidence() if ctl.learner else None
     return PolicyRun(policy, result, ctl.switches_done, ctl.decisions_made, timeline.points,
-                     list(ctl.switch_log), started_at, ctl.capacity, evidence)  # fmt: skip
+                     list(ctl.switch_log), started_at, ctl.capacity, evidence,
+                     meter.last(result.makespan_s))  # fmt: skip
 
 
 def _summary(runs: list[PolicyRun], console: Console) -> None:
@@ -316,6 +323,12 @@ def _learned(runs: list[PolicyRun], cal: Calibration, console: Console) -> None:
             where.append(f"decode step at batch {ev['decode_batch_seen']:.1f} "
                          f"{100 * seen['decode_step_s']:+.0f}%")  # fmt: skip
             far.append(f"decode step {100 * ref['decode_step_s']:+.0f}%")
+            if r.stack_cpu_share > 0:  # the calibration ran on an idle machine
+                shared = (1 + seen["decode_step_s"]) * (1 - r.stack_cpu_share) - 1
+                where.append(
+                    f"the rest of the stack took {r.stack_cpu_share:.0%} of the CPU: at what "
+                    f"that left the engines, decode step {100 * shared:+.0f}%"
+                )
         console.print(
             f"• {r.policy}: learned online {capacity_text(r.capacity)} "
             f"({ev['prefill_samples']:.1f} prefill / {ev['decode_samples']:.1f} decode windows)."
