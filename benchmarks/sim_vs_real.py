@@ -13,9 +13,12 @@ of the stack (router, agent loop, controller, vLLM frontends, Redis) took while 
 ran, sampled from /proc, and the simulation with the engines slowed to the CPU that share
 left them (on this machine they share their cores with the stack; on a GPU node they do
 not); the simulation with the capacity the controller learned online during the (median)
-run, which holds the engines' speed in that rollout, contention included, so that what is
-left is the simulator's model of the rollout itself; and the mean turn as the agent loop
-timed it beside the engines' own time per turn. Asserts nothing.
+run, and with the capacity the same estimator reads from one window over the whole run
+(each engine's `/metrics` before and after it: the controller decides every 2 s and the
+short rollouts end before it has learned much). Both hold the engines' speed in that
+rollout, contention included, so what is left is the simulator's model of the rollout
+itself. And the mean turn as the agent loop timed it beside the engines' own time per turn.
+Asserts nothing.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--workloads swe,search,math,shift,sampled-1000]
         [--calibration concurrent|one] [--trajectories N] [--repeats 3] [--no-warmup]
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from rich.console import Console
 
+from prorsa.control.engine_metrics import EngineEvidence, EngineSample, parse_engine_metrics
 from prorsa.control.metrics import capacity_figures
 from prorsa.local.calibrate import Calibration, calibrate
 from prorsa.local.driver import scale_scripts
@@ -48,12 +53,16 @@ from prorsa.local.model import make_tiny_model
 from prorsa.local.redis_server import RedisServer
 from prorsa.local.runner import KEYS, LocalOptions, run_policy
 from prorsa.local.stack import SERVED_MODEL, LocalStack, StackConfig
-from prorsa.policy.allocate import make_policy
+from prorsa.policy.allocate import Role, make_policy
+from prorsa.policy.capacity import RoleCapacity
+from prorsa.policy.learn import CapacityEstimator
 from prorsa.sim.config import SimConfig
 from prorsa.sim.costmodel import MeasuredCost, ScaledCost
 from prorsa.sim.engine import Simulator
+from prorsa.sim.presets import PRESET_PRIOR_REL_SD
 from prorsa.sim.sampler import sample_workload, workload_yaml
 from prorsa.sim.workload import generate, load_workload
+from prorsa.worker.agent import engine_metrics_text
 
 TRAJECTORIES = {"math": 64, "search": 64}  # the rest: 24
 _E2E = "vllm:e2e_request_latency_seconds"
@@ -88,20 +97,42 @@ async def _engine_seconds(urls: list[str]) -> float:
     return total
 
 
+async def _engine_samples(urls: list[str]) -> list[EngineSample | None]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        texts = [await engine_metrics_text(url, s) for url in urls]
+    now = time.monotonic()
+    return [parse_engine_metrics(t, now) if t else None for t in texts]
+
+
+def _run_capacity(cal: Calibration, before: list[EngineSample | None],
+                  after: list[EngineSample | None]) -> RoleCapacity:  # fmt: skip
+    """The engines' capacity over the whole run, as the controller's estimator reads it from
+    one window of each worker's `/metrics` (before and after the run), the calibration its
+    prior: the rollout's own speed, contention included, even for runs shorter than one of
+    the controller's decisions."""
+    evidence = EngineEvidence(CapacityEstimator(cal.capacity(), PRESET_PRIOR_REL_SD))
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if b is not None and a is not None:  # every worker may have prefilled and decoded
+            evidence.feed(f"w{i}", Role.MIXED, b)
+            evidence.feed(f"w{i}", Role.MIXED, a)
+    return evidence.estimator.capacity()
+
+
 async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Calibration,
                     policy: str, console: Console) -> dict[str, Any]:  # fmt: skip
     """One real rollout: its makespan, turns, the CPU share the rest of the stack took from
-    the engines while it ran, and where a turn's time went."""
+    the engines while it ran, where a turn's time went, and the engines' capacity in it."""
     urls = [w.url for w in stack.workers]
-    engine_s = await _engine_seconds(urls)
+    engine_s, before = await _engine_seconds(urls), await _engine_samples(urls)
     run = await run_policy(opts, stack, redis, cal, policy, console)
     real = run.result
-    engine_s = await _engine_seconds(urls) - engine_s
+    engine_s, after = await _engine_seconds(urls) - engine_s, await _engine_samples(urls)
     return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
             "stack_cpu_share": run.stack_cpu_share,
             "turn_s": statistics.fmean(t.seconds for t in real.turns),
             "engine_s_per_turn": engine_s / max(real.turns_ok, 1),
-            "learned": run.capacity, "learned_evidence": run.evidence}  # fmt: skip
+            "learned": run.capacity, "learned_evidence": run.evidence,
+            "measured": _run_capacity(cal, before, after)}  # fmt: skip
 
 
 def _workload_arg(name: str, workdir: Path) -> str:
@@ -123,8 +154,6 @@ async def main(args: argparse.Namespace) -> None:
                                        redis_url=server.url, roles=[], keys=KEYS))  # fmt: skip
         redis = Redis.from_url(server.url, socket_timeout=10)
         try:
-            from prorsa.policy.allocate import Role
-
             for i in range(base.workers):
                 stack.start_worker(i, Role.DECODE)
             stack.start_router()
@@ -169,14 +198,16 @@ async def main(args: argparse.Namespace) -> None:
                     # the engines as the controller learned them during that very run: the
                     # rollout's own speed, contention included (the calibration's, if none)
                     learned = real.pop("learned") or cal.capacity()
-                    during = MeasuredCost.from_capacity(learned)
-                    sim, sim_shared, sim_learned = (Simulator(c, scripts, SimConfig(
+                    measured = real.pop("measured")
+                    sim, sim_shared, sim_learned, sim_measured = (Simulator(c, scripts, SimConfig(
                         gpus=opts.workers, mode="sync", trajectories=len(scripts),
                         seed=opts.seed, settings=settings,
                     ), make_policy(settings, c.role_capacity())).run()
-                        for c in (cost, shared, during))  # fmt: skip
+                        for c in (cost, shared, MeasuredCost.from_capacity(learned),
+                                  MeasuredCost.from_capacity(measured)))  # fmt: skip
                     for r in runs:
                         r.pop("learned", None)
+                        r.pop("measured", None)
                     real_s = real["real_s"]
                     rows.append({**real, "workload": name, "trajectories": n, "policy": policy,
                                  "real_runs_s": [r["real_s"] for r in runs],
@@ -190,6 +221,10 @@ async def main(args: argparse.Namespace) -> None:
                                  "simulated_learned_s": sim_learned.makespan_s,
                                  "error_learned_pct":
                                      100 * (sim_learned.makespan_s - real_s) / real_s,
+                                 "run_capacity": capacity_figures(measured),
+                                 "simulated_run_capacity_s": sim_measured.makespan_s,
+                                 "error_run_capacity_pct":
+                                     100 * (sim_measured.makespan_s - real_s) / real_s,
                                  })  # fmt: skip
         finally:
             await redis.aclose()
@@ -198,8 +233,9 @@ async def main(args: argparse.Namespace) -> None:
     print("| workload | trajectories | policy | real makespan | simulated | error |"
           " stack's CPU share | simulated at that share | error |"
           " simulated at the capacity learned in the run | error |"
+          " at the capacity over the whole run | error |"
           " turn (agent loop) | in the engines |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         spread = f"{min(r['real_runs_s']):.2f}-{max(r['real_runs_s']):.2f}"
         print(f"| {r['workload']} | {r['trajectories']} | {r['policy']} | {r['real_s']:.2f} s "
@@ -208,6 +244,7 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['error_pct']:+.1f}% | {100 * r['stack_cpu_share']:.0f}% | "
               f"{r['simulated_shared_s']:.2f} s | {r['error_shared_pct']:+.1f}% | "
               f"{r['simulated_learned_s']:.2f} s | {r['error_learned_pct']:+.1f}% | "
+              f"{r['simulated_run_capacity_s']:.2f} s | {r['error_run_capacity_pct']:+.1f}% | "
               f"{1e3 * r['turn_s']:.0f} ms | {1e3 * r['engine_s_per_turn']:.0f} ms |")  # fmt: skip
     if args.json is not None:
         calibration = {"prefill_tokens_per_s": cal.prefill_tokens_per_s,
