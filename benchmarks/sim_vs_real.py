@@ -82,26 +82,17 @@ def _mean(cals: list[Calibration]) -> Calibration:
     return replace(mean, engine=_mean(engines)) if both else mean
 
 
-async def _engine_seconds(urls: list[str]) -> float:
-    """Seconds the engines have spent on requests so far (vLLM's end-to-end request latency,
-    summed over the workers): what a turn costs inside the engines, without the agent loop,
-    the router and HTTP around them."""
-    total = 0.0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        for url in urls:
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-            total += sum(s.value for fam in text_string_to_metric_families(text)
-                         if fam.name == _E2E for s in fam.samples
-                         if s.name == _E2E + "_sum")  # fmt: skip
-    return total
-
-
-async def _engine_samples(urls: list[str]) -> list[EngineSample | None]:
+async def _engines(urls: list[str]) -> tuple[float, list[EngineSample | None]]:
+    """One read of every engine's `/metrics`: the seconds the engines have spent on requests
+    so far (vLLM's end-to-end request latency, summed over the workers: what a turn costs
+    inside the engines, without the agent loop, the router and HTTP around them), and each
+    engine's sample as the controller's estimator reads it."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
         texts = [await engine_metrics_text(url, s) for url in urls]
     now = time.monotonic()
-    return [parse_engine_metrics(t, now) if t else None for t in texts]
+    total = sum(x.value for t in texts if t for fam in text_string_to_metric_families(t)
+                if fam.name == _E2E for x in fam.samples if x.name == _E2E + "_sum")  # fmt: skip
+    return total, [parse_engine_metrics(t, now) if t else None for t in texts]
 
 
 def _run_capacity(cal: Calibration, before: list[EngineSample | None],
@@ -123,10 +114,11 @@ async def _real_run(opts: LocalOptions, stack: LocalStack, redis: Redis, cal: Ca
     """One real rollout: its makespan, turns, the CPU share the rest of the stack took from
     the engines while it ran, where a turn's time went, and the engines' capacity in it."""
     urls = [w.url for w in stack.workers]
-    engine_s, before = await _engine_seconds(urls), await _engine_samples(urls)
+    engine_s, before = await _engines(urls)
     run = await run_policy(opts, stack, redis, cal, policy, console)
     real = run.result
-    engine_s, after = await _engine_seconds(urls) - engine_s, await _engine_samples(urls)
+    engine_end_s, after = await _engines(urls)
+    engine_s = engine_end_s - engine_s
     return {"real_s": real.makespan_s, "turns": real.turns_ok, "turns_failed": real.turns_failed,
             "stack_cpu_share": run.stack_cpu_share,
             "turn_s": statistics.fmean(t.seconds for t in real.turns),

@@ -28,7 +28,7 @@ import numpy as np
 
 from prorsa.policy.events import Event, EventType, State, Trajectory
 from prorsa.policy.learned import LearnedStats
-from prorsa.policy.samples import Samples
+from prorsa.policy.samples import DECODE_FIELDS, Samples
 
 # State as plain ints, for the columns; DONE also marks a free row.
 _WAITING, _PREFILL, _DECODE, _TOOL, _DONE = range(5)
@@ -185,7 +185,7 @@ class LifecycleTable:
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
-                        continued((k, out_log_est[i], len(learn.decodes) // 4))
+                        continued((k, out_log_est[i], len(learn.decodes) // DECODE_FIELDS))
                         if old == _TOOL or after_tool[i]:
                             learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
@@ -229,7 +229,8 @@ class LifecycleTable:
                 self._on_traj_start(i, ev)
             else:
                 if old in _BETWEEN_TURNS:
-                    learn.ended.extend((turn[i], out_log_est[i], len(learn.decodes) // 4))
+                    decoded = len(learn.decodes) // DECODE_FIELDS
+                    learn.ended.extend((turn[i], out_log_est[i], decoded))
                     if old == _TOOL or after_tool[i]:
                         learn.tool_gaps.append(0.0)
                 self._end(i)

@@ -16,6 +16,8 @@ import numpy as np
 
 from prorsa.policy.learned import LearnedStats, length_classes
 
+DECODE_FIELDS = 4  # a decode record: (group row, output tokens, seconds, ts)
+
 
 class Samples:
     """What one batch of events teaches the statistics, in event order: flat float columns
@@ -36,7 +38,7 @@ class Samples:
         self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
         self.prefill_s = array("d")
         self.tool_s = array("d")  # (seconds, ts)
-        self.decodes = array("d")  # (group row, output tokens, seconds, ts)
+        self.decodes = array("d")  # DECODE_FIELDS per record
 
     @staticmethod
     def records(col: array[float], width: int) -> np.ndarray:
@@ -66,7 +68,7 @@ class Samples:
             np.minimum(np.maximum(uncached - grew, 0.0)[has_ctx] / ctx[has_ctx], 1.0)
         )
         st.learn_appended(turn.astype(np.int64) + 1, grew)
-        decodes = self.records(self.decodes, 4)
+        decodes = self.records(self.decodes, DECODE_FIELDS)
         went_on, went_on_level, went_on_at = self.records(self.continued, 3)
         stopped, stopped_level, stopped_at = self.records(self.ended, 3)
         # the answer-length classes as of each event: the overall mean after the decodes
