@@ -206,12 +206,13 @@ def test_forecasts_made_before_the_evidence_are_not_learned_from() -> None:
         assert f._cal is not None and (f._cal.gain_p[0] != 1.0) == learned
 
 
-def test_before_the_evidence_the_prefill_forecast_leans_on_persistence() -> None:
+def test_before_the_evidence_the_forecast_leans_on_persistence() -> None:
     """With no decode ended, the turns that come back are priced by the priors alone
-    (continuation, tool output, decode length): the forecast is the rate just seen; the model
-    takes over as decodes end, wholly at `min_evidence`."""
+    (continuation, tool output, decode length), and so is when the running decodes end: the
+    forecast is the rate just seen and the sequences decoding now; the model takes over as
+    decodes end, wholly at `min_evidence`."""
 
-    def forecast(taught: int) -> list[float]:
+    def forecast(taught: int) -> tuple[list[float], list[float]]:
         tab = LifecycleTable()
         _teach(tab, taught, out=100, tool_s=1.0)  # two decodes each
         f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=100)
@@ -219,12 +220,16 @@ def test_before_the_evidence_the_prefill_forecast_leans_on_persistence() -> None
         for i in range(100):  # 500 tokens each in (100 s, 105 s]: 10,000 tok/s
             tab.apply(Event(EventType.TRAJ_START, f"live{i}", 101.0))
             tab.apply(submit(f"live{i}", 101.0, 500))
-            tab.apply(Event(EventType.PREFILL_DONE, f"live{i}", 102.0, tokens=500, seconds=1.0))
-        return f.forecast(tab, 105.0, H).prefill_tokens_per_s
+            tab.apply(Event(EventType.PREFILL_DONE, f"live{i}", 104.5, tokens=500, seconds=3.5))
+        fc = f.forecast(tab, 105.0, H)
+        return fc.prefill_tokens_per_s, fc.decode_seqs
 
-    assert forecast(0) == pytest.approx([10_000.0] * 12)
-    model = forecast(50)  # 100 decodes ended: the model's own forecast
-    assert max(abs(x - 10_000.0) for x in model) > 2_000.0
+    prefill, seqs = forecast(0)
+    assert prefill == pytest.approx([10_000.0] * 12)
+    assert seqs == pytest.approx([100.0] * 12)  # the 100 decoding now
+    prefill, seqs = forecast(50)  # 100 decodes ended: the model's own forecast
+    assert max(abs(x - 10_000.0) for x in prefill) > 2_000.0
+    assert min(seqs) < 50.0  # 1 s answers, begun 0.5 s ago, end within the horizon
 
 
 def test_blend_turns_to_persistence_where_the_model_keeps_missing() -> None:

@@ -453,12 +453,14 @@ class LifecycleForecaster:
             score=st.decode_duration.n >= self.min_evidence,
         )  # fmt: skip
         # Before the statistics rest on evidence, the returning turns' prefill is the priors'
-        # (continuation, tool output, decode length) more than anything measured: until
-        # `min_evidence` decodes have ended, shrink it toward persistence in proportion.
+        # (continuation, tool output, decode length) more than anything measured, and so is
+        # when the running decodes end (the first to end are the short ones): until
+        # `min_evidence` decodes have ended, shrink both toward persistence in proportion.
         need = self.min_evidence
         trust = min(1.0, st.decode_duration.n / need) if need > 0 else 1.0
         if trust < 1.0:
             prefill = [trust * x + (1.0 - trust) * last[0] for x in prefill]
+            seqs = [trust * x + (1.0 - trust) * last[1] for x in seqs]
         kv = [x * k for x, k in zip(seqs, kv_seq.tolist(), strict=True)]
         return Forecast(dt, prefill, seqs, kv, **table_facts(table))
 
