@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,18 +144,41 @@ class EngineEvidence:
             seconds = min(d_sum["prefill_s"] / per_step, window) / n
             if new >= 1:
                 est.observe_prefill(new, max(prompt - new, 0.0), seconds, now, requests=n)
-        if role is not Role.PREFILL and d_cnt["itl"] > 0:
-            if d_cnt["step_tokens"] > 0:
-                batch = d_cnt["itl"] / d_cnt["step_tokens"]
-                steps = d_cnt["step_tokens"]
-            else:
-                batch = (prev.running + sample.running) / 2
-                steps = d_cnt["itl"] / batch if batch > 0 else 0.0
-            # every sequence of a step waited for the prefill tokens it carried
-            local = d_sum["computed"]
-            local_prefill_s = local / est.capacity().local_prefill_rate if local else 0.0
-            itl = d_sum["itl"] - batch * local_prefill_s
-            step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
-            kv = (prev.kv_tokens + sample.kv_tokens) / 2
-            if batch > 0:
-                est.observe_decode_step(batch, kv, step, now, steps=steps)
+        if role is not Role.PREFILL:
+            w = decode_window(prev, sample, est.capacity().local_prefill_rate)
+            if w is not None:
+                est.observe_decode_step(w.batch, w.kv_tokens, w.step_s, now, steps=w.steps)
+
+
+class DecodeWindow(NamedTuple):
+    """An engine's decode steps between two reads: their mean, at the mean batch and KV."""
+
+    batch: float
+    kv_tokens: float
+    step_s: float
+    steps: float
+
+
+def decode_window(prev: EngineSample, sample: EngineSample,
+                  local_prefill_rate: float) -> DecodeWindow | None:  # fmt: skip
+    """The decode steps between two reads of one engine (None: no token was generated, or
+    the counters went back), the prefill tokens the engine computed itself taken out at
+    `local_prefill_rate` tokens/s."""
+    d_sum = {k: sample.sums[k] - prev.sums[k] for k in sample.sums}
+    d_cnt = {k: sample.counts[k] - prev.counts[k] for k in sample.counts}
+    if d_cnt["itl"] <= 0 or any(v < 0 for v in (*d_sum.values(), *d_cnt.values())):
+        return None
+    if d_cnt["step_tokens"] > 0:
+        batch = d_cnt["itl"] / d_cnt["step_tokens"]
+        steps = d_cnt["step_tokens"]
+    else:
+        batch = (prev.running + sample.running) / 2
+        steps = d_cnt["itl"] / batch if batch > 0 else 0.0
+    if batch <= 0:
+        return None
+    # every sequence of a step waited for the prefill tokens it carried
+    local = d_sum["computed"]
+    local_prefill_s = local / local_prefill_rate if local and local_prefill_rate > 0 else 0.0
+    itl = d_sum["itl"] - batch * local_prefill_s
+    step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
+    return DecodeWindow(batch, (prev.kv_tokens + sample.kv_tokens) / 2, step, steps)
