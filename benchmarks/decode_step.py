@@ -56,7 +56,7 @@ def _token_weighted_batch(lengths: list[int]) -> float:
     return sum(b * b for b in steps) / max(sum(steps), 1)
 
 
-async def _scenarios(timer: _Timer, rep: int) -> list[tuple[str, Callable[[], Awaitable[Any]],
+def _scenarios(timer: _Timer, rep: int) -> list[tuple[str, Callable[[], Awaitable[Any]],
                                                             list[int] | None]]:  # fmt: skip
     salt = 1000 * (rep + 1)
 
@@ -109,7 +109,7 @@ async def _measure(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         timer = _Timer(s, url, SERVED_MODEL)
         for rep in range(repeats):
-            for name, load, lengths in await _scenarios(timer, rep):
+            for name, load, lengths in _scenarios(timer, rep):
                 before = await timer.sample()
                 await load()
                 await asyncio.sleep(0.3)  # the frontend records the last stats as it answers

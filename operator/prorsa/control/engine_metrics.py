@@ -145,7 +145,9 @@ class EngineEvidence:
             if new >= 1:
                 est.observe_prefill(new, max(prompt - new, 0.0), seconds, now, requests=n)
         if role is not Role.PREFILL:
-            w = decode_window(prev, sample, est.capacity().local_prefill_rate)
+            # the learned rate (a solve of the fit) only where the engine prefilled itself
+            rate = est.capacity().local_prefill_rate if d_sum["computed"] > 0 else math.inf
+            w = decode_window(prev, sample, rate)
             if w is not None:
                 est.observe_decode_step(w.batch, w.kv_tokens, w.step_s, now, steps=w.steps)
 
