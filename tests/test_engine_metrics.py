@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,12 @@ from redis.asyncio import Redis
 
 from conftest import serve
 from prorsa.control.controller import Controller, ControllerConfig
-from prorsa.control.engine_metrics import EngineEvidence, parse_engine_metrics
+from prorsa.control.engine_metrics import (
+    EngineEvidence,
+    decode_window,
+    local_prefill_tokens,
+    parse_engine_metrics,
+)
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventReader
 from prorsa.local.cluster import LocalCluster
@@ -68,6 +74,29 @@ def test_a_window_of_real_metrics_teaches_each_role_its_own_part() -> None:
         assert kv == (
             PRIOR.kv_capacity_tokens if role is Role.PREFILL else after.kv_capacity_tokens
         )
+
+
+def test_kv_received_over_nixl_is_not_taken_out_of_the_decode_steps() -> None:
+    """A real decode worker's window (tests/data/README.md): vLLM reports the prompt tokens
+    whose KV arrived from the prefill worker as computed; the worker computed none of them,
+    so its steps keep all their time (receiving the KV is part of them)."""
+    before = parse_engine_metrics((DATA / "vllm-decode-nixl-before.txt").read_text(), 0.0)
+    after = parse_engine_metrics((DATA / "vllm-decode-nixl-after.txt").read_text(), 10.0)
+    assert before is not None and after is not None
+    assert after.sums["computed"] - before.sums["computed"] == 1100
+    assert after.received_tokens - before.received_tokens == 1100
+    assert local_prefill_tokens(before, after) == 0.0
+    itl = after.sums["itl"] - before.sums["itl"]
+    w = decode_window(before, after, 1_000.0)  # a slow rate: any tokens taken out would show
+    assert w is not None
+    assert w.step_s == pytest.approx(itl / (after.counts["itl"] - before.counts["itl"]))
+    # a mixed worker's own prefills are still taken out of its steps
+    m0 = parse_engine_metrics((DATA / "vllm-metrics-before.txt").read_text(), 0.0)
+    m1 = parse_engine_metrics((DATA / "vllm-metrics-after.txt").read_text(), 10.0)
+    assert m0 is not None and m1 is not None
+    assert local_prefill_tokens(m0, m1) == 1950
+    mixed, raw = decode_window(m0, m1, 100_000.0), decode_window(m0, m1, math.inf)
+    assert mixed is not None and raw is not None and mixed.step_s < raw.step_s
 
 
 @dataclass

@@ -18,7 +18,9 @@ worker the counters' differences give:
   and the KV in use (`vllm:kv_cache_usage_perc` of the cache). Prefills the worker ran
   itself (appends to contexts it holds) lengthen the steps they rode in; the allocator prices
   them apart (`RoleCapacity.local_prefill_*`), so their tokens at the learned prefill rate are
-  taken out of the steps first;
+  taken out of the steps first. vLLM counts the prompt tokens whose KV came from a prefill
+  worker (NIXL) as computed too; those (`vllm:external_prefix_cache_hits`) are not taken out:
+  receiving them is part of the decode worker's steps;
 - KV capacity: `vllm:cache_config_info`'s blocks x block size.
 
 A counter that went down (the engine restarted) discards that window. Data-parallel engines
@@ -55,6 +57,7 @@ class EngineSample:
     running: float = 0.0
     kv_usage: float = 0.0  # fraction of the KV cache in use
     kv_capacity_tokens: float = 0.0  # 0: not reported
+    received_tokens: float = 0.0  # prompt tokens whose KV another engine computed (counter)
 
     @property
     def kv_tokens(self) -> float:
@@ -66,7 +69,7 @@ def parse_engine_metrics(text: str, t: float) -> EngineSample | None:
     or cannot be parsed."""
     sums = dict.fromkeys(_HISTOGRAMS.values(), 0.0)
     counts = dict.fromkeys(_HISTOGRAMS.values(), 0.0)
-    running = usage = capacity = 0.0
+    running = usage = capacity = received = 0.0
     usage_series = 0
     seen = False
     try:
@@ -86,6 +89,8 @@ def parse_engine_metrics(text: str, t: float) -> EngineSample | None:
             elif name == "vllm:num_requests_running":
                 running += s.value
                 seen = True
+            elif name == "vllm:external_prefix_cache_hits" and s.name.endswith("_total"):
+                received += s.value
             elif name == "vllm:kv_cache_usage_perc":
                 usage += s.value
                 usage_series += 1
@@ -95,7 +100,7 @@ def parse_engine_metrics(text: str, t: float) -> EngineSample | None:
                 capacity += blocks * size
     if not seen:
         return None
-    return EngineSample(t, sums, counts, running, usage / max(usage_series, 1), capacity)
+    return EngineSample(t, sums, counts, running, usage / max(usage_series, 1), capacity, received)
 
 
 def _number(value: str | None) -> float:
@@ -134,8 +139,9 @@ class EngineEvidence:
             return  # the engine restarted: its counters began again
         window = sample.t - prev.t
         n = d_cnt["prefill_s"]
+        local = local_prefill_tokens(prev, sample)
         if role is not Role.DECODE and n > 0 and d_cnt["computed"] > 0:
-            new = d_sum["computed"] / d_cnt["computed"]
+            new = local / d_cnt["computed"]
             prompt = d_sum["prompt"] / d_cnt["prompt"] if d_cnt["prompt"] > 0 else new
             per_step = 1.0
             if d_cnt["step_tokens"] > 0 and new > 0:
@@ -146,10 +152,18 @@ class EngineEvidence:
                 est.observe_prefill(new, max(prompt - new, 0.0), seconds, now, requests=n)
         if role is not Role.PREFILL:
             # the learned rate (a solve of the fit) only where the engine prefilled itself
-            rate = est.capacity().local_prefill_rate if d_sum["computed"] > 0 else math.inf
+            rate = est.capacity().local_prefill_rate if local > 0 else math.inf
             w = decode_window(prev, sample, rate)
             if w is not None:
                 est.observe_decode_step(w.batch, w.kv_tokens, w.step_s, now, steps=w.steps)
+
+
+def local_prefill_tokens(prev: EngineSample, sample: EngineSample) -> float:
+    """Prompt tokens the engine computed itself between two reads: vLLM's computed tokens
+    less those whose KV it received from a prefill worker."""
+    computed = sample.sums["computed"] - prev.sums["computed"]
+    received = sample.received_tokens - prev.received_tokens
+    return max(computed - max(received, 0.0), 0.0)
 
 
 class DecodeWindow(NamedTuple):
@@ -179,7 +193,7 @@ def decode_window(prev: EngineSample, sample: EngineSample,
     if batch <= 0:
         return None
     # every sequence of a step waited for the prefill tokens it carried
-    local = d_sum["computed"]
+    local = local_prefill_tokens(prev, sample)
     local_prefill_s = local / local_prefill_rate if local and local_prefill_rate > 0 else 0.0
     itl = d_sum["itl"] - batch * local_prefill_s
     step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
