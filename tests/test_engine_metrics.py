@@ -108,6 +108,7 @@ class Engine:
     counts: dict[str, float] = field(default_factory=dict)
     running: float = 0.0
     blocks: int = 3125  # x 128 = TRUE.kv_capacity_tokens
+    local_slow: float = 1.0  # appends inside decode steps run this much slower than prefills
 
     def add(self, name: str, value: float, n: float = 1.0) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value
@@ -127,12 +128,12 @@ class Engine:
             steps = 50
             step = TRUE.decode_base_step_s + TRUE.decode_s_per_seq * batch
             # appends prefilled here ride in the steps: every decoding sequence waits for them
-            appends = 20 if role is Role.DECODE else 0
+            appends = self.rng.randint(0, 40) if role is Role.DECODE else 0
             for _ in range(appends):
                 self.add("vllm:request_prefill_time_seconds", 0.03)
                 self.add("vllm:request_prefill_kv_computed_tokens", 256)
                 self.add("vllm:request_prompt_tokens", 2048)
-            riding = appends * 256 / TRUE.prefill_tokens_per_s
+            riding = appends * 256 / TRUE.prefill_tokens_per_s * self.local_slow
             for _ in range(steps):
                 self.add("vllm:iteration_tokens_total", batch + appends * 256 / steps)
             self.add("vllm:inter_token_latency_seconds",
@@ -159,13 +160,13 @@ def test_a_controller_learns_a_cluster_unlike_its_prior_from_the_workers_metrics
 ) -> None:
     """Two engines behind real HTTP: a prefill worker and a decode worker, 2x slower prefill
     and 1.5x slower decode steps than the prior; the decode worker also prefills appends
-    inside its steps (20-60% of a step's time), which the allocator prices apart. Each
-    decision reads both `/metrics`; the learned capacity comes within 10% of the truth, the
-    prior does not, and the metrics, the decision log and a restarted engine (counters
-    reset) behave."""
+    inside its steps (up to ~100% of a step's time), at half the prefill worker's rate, which
+    the allocator prices apart. Each decision reads both `/metrics`; the learned capacity
+    comes within 10% of the truth (15% for the appends' rate), the prior does not, and the
+    metrics, the decision log and a restarted engine (counters reset) behave."""
 
     async def main() -> None:
-        engines = {"p": Engine(random.Random(1)), "d": Engine(random.Random(2))}
+        engines = {"p": Engine(random.Random(1)), "d": Engine(random.Random(2), local_slow=2.0)}
         role = {"p": Role.PREFILL, "d": Role.DECODE}
 
         async def metrics(request: web.Request) -> web.Response:
@@ -196,7 +197,8 @@ def test_a_controller_learns_a_cluster_unlike_its_prior_from_the_workers_metrics
             with caplog.at_level(logging.INFO, logger="prorsa.control.controller"):
                 for _ in range(40):
                     await ctl.decide()
-            engines["d"] = Engine(random.Random(3))  # the decode engine restarted: counters anew
+            # the decode engine restarted: counters anew
+            engines["d"] = Engine(random.Random(3), local_slow=2.0)
             await ctl.decide()
             await ctl.decide()
         await runner.cleanup()
@@ -206,8 +208,11 @@ def test_a_controller_learns_a_cluster_unlike_its_prior_from_the_workers_metrics
             assert c.decode_step_s(batch, 0) == pytest.approx(TRUE.decode_step_s(batch, 0), 0.1)
             assert PRIOR.decode_step_s(batch, 0) < 0.8 * TRUE.decode_step_s(batch, 0)
         assert c.kv_capacity_tokens == 3125 * 128
+        # appends: 256 tokens each at half the prefill worker's marginal 10,000 tokens/s
+        assert c.local_prefill_rate == pytest.approx(5_000, rel=0.15)
         assert ctl.learner is not None
         ev = ctl.learner.evidence()
+        assert ev["local_prefill_slowdown"] > 1.5
         assert ev["prefill_samples"] > 10 and ev["decode_samples"] > 10 and ev["kv_workers"] == 1
         assert ev["prefill_rel_sd"] < 0.1 and ev["decode_rel_sd"] < 0.1
         exposed = {s.labels["figure"]: s.value for m in ctl.metrics.capacity.collect()

@@ -470,6 +470,9 @@ class CapacityEvidence(_Model):
     )
     decodeBatchSeen: float = Field(default=0.0, description="Typical batch of the decode "
                                    "steps learned from.")  # fmt: skip
+    localPrefillSlowdown: float = Field(default=1.0, description="How much slower a decode "
+                                        "worker's own prefills (appends) run inside its steps "
+                                        "than the prefill rate says.")  # fmt: skip
 
 
 class Capacity(_Model):
@@ -482,6 +485,9 @@ class Capacity(_Model):
     decodeSecondsPerSequence: float = Field(default=0.0, description="Per sequence in a step.")
     decodeSecondsPerKvToken: float = Field(default=0.0, description="Per KV token read a step.")
     kvCapacityTokens: float = Field(default=0.0, description="KV one decode worker holds.")
+    localPrefillTokensPerSecond: float = Field(
+        default=0.0, description="Prefill a decode worker computes inside its steps (appends)."
+    )
     switchSeconds: float = Field(default=0.0, description="A switch beyond its drain.")
     evidence: CapacityEvidence | None = Field(default=None, description="What it rests on.")
     time: str = ""

@@ -70,8 +70,8 @@ def capacity_text(c: RoleCapacity) -> str:
         f"prefill {c.prefill_tokens_per_s:.0f} tok/s ({1e3 * c.prefill_request_s:.1f} ms/request),"
         f" decode step "
         f"{1e3 * c.decode_base_step_s:.2f} ms + {1e3 * c.decode_s_per_seq:.3f} ms/seq + "
-        f"{1e6 * c.decode_s_per_kv_token:.4f} ms/1k KV, KV {c.kv_capacity_tokens:.0f} tokens, "
-        f"switch {c.switch_s:.0f} s"
+        f"{1e6 * c.decode_s_per_kv_token:.4f} ms/1k KV, appends {c.local_prefill_rate:.0f} "
+        f"tok/s, KV {c.kv_capacity_tokens:.0f} tokens, switch {c.switch_s:.0f} s"
     )
 
 

@@ -17,10 +17,11 @@ worker the counters' differences give:
   engine's steps (`vllm:iteration_tokens_total`'s count; the running gauge when absent) —
   and the KV in use (`vllm:kv_cache_usage_perc` of the cache). Prefills the worker ran
   itself (appends to contexts it holds) lengthen the steps they rode in; the allocator prices
-  them apart (`RoleCapacity.local_prefill_*`), so their tokens at the learned prefill rate are
-  taken out of the steps first. vLLM counts the prompt tokens whose KV came from a prefill
-  worker (NIXL) as computed too; those (`vllm:external_prefix_cache_hits`) are not taken out:
-  receiving them is part of the decode worker's steps;
+  them apart (`RoleCapacity.local_prefill_*`), so the window also says how many such tokens
+  its steps carried, and the estimator learns what they cost there beside the step itself.
+  vLLM counts the prompt tokens whose KV came from a prefill worker (NIXL) as computed too;
+  those (`vllm:external_prefix_cache_hits`) are not the worker's own prefill: receiving them
+  is part of its steps;
 - KV capacity: `vllm:cache_config_info`'s blocks x block size.
 
 A counter that went down (the engine restarted) discards that window. Data-parallel engines
@@ -151,11 +152,10 @@ class EngineEvidence:
             if new >= 1:
                 est.observe_prefill(new, max(prompt - new, 0.0), seconds, now, requests=n)
         if role is not Role.PREFILL:
-            # the learned rate (a solve of the fit) only where the engine prefilled itself
-            rate = est.capacity().local_prefill_rate if local > 0 else math.inf
-            w = decode_window(prev, sample, rate)
+            w = decode_window(prev, sample)
             if w is not None:
-                est.observe_decode_step(w.batch, w.kv_tokens, w.step_s, now, steps=w.steps)
+                est.observe_decode_step(w.batch, w.kv_tokens, w.step_s, now, steps=w.steps,
+                                        local_tokens=w.local_tokens)  # fmt: skip
 
 
 def local_prefill_tokens(prev: EngineSample, sample: EngineSample) -> float:
@@ -173,13 +173,14 @@ class DecodeWindow(NamedTuple):
     kv_tokens: float
     step_s: float
     steps: float
+    local_tokens: float  # per step: prefill tokens the engine computed itself
 
 
 def decode_window(prev: EngineSample, sample: EngineSample,
-                  local_prefill_rate: float) -> DecodeWindow | None:  # fmt: skip
+                  local_prefill_rate: float = math.inf) -> DecodeWindow | None:  # fmt: skip
     """The decode steps between two reads of one engine (None: no token was generated, or
-    the counters went back), the prefill tokens the engine computed itself taken out at
-    `local_prefill_rate` tokens/s."""
+    the counters went back); with `local_prefill_rate`, the prefill tokens the engine
+    computed itself taken out of the mean step at that rate (tokens/s)."""
     d_sum = {k: sample.sums[k] - prev.sums[k] for k in sample.sums}
     d_cnt = {k: sample.counts[k] - prev.counts[k] for k in sample.counts}
     if d_cnt["itl"] <= 0 or any(v < 0 for v in (*d_sum.values(), *d_cnt.values())):
@@ -197,4 +198,5 @@ def decode_window(prev: EngineSample, sample: EngineSample,
     local_prefill_s = local / local_prefill_rate if local and local_prefill_rate > 0 else 0.0
     itl = d_sum["itl"] - batch * local_prefill_s
     step = max(itl, 0.5 * d_sum["itl"]) / d_cnt["itl"]  # steps stay mostly decode
-    return DecodeWindow(batch, (prev.kv_tokens + sample.kv_tokens) / 2, step, steps)
+    kv = (prev.kv_tokens + sample.kv_tokens) / 2
+    return DecodeWindow(batch, kv, step, steps, local / steps if steps > 0 else 0.0)

@@ -80,6 +80,7 @@ def capacity_figures(c: RoleCapacity) -> dict[str, float]:
         "decode_seconds_per_sequence": c.decode_s_per_seq,
         "decode_seconds_per_kv_token": c.decode_s_per_kv_token,
         "kv_capacity_tokens": c.kv_capacity_tokens,
+        "local_prefill_tokens_per_second": c.local_prefill_rate,
         "switch_seconds": c.switch_s,
     }
 

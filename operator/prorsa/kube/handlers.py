@@ -81,6 +81,7 @@ def capacity_status(c: RoleCapacity, evidence: dict[str, float] | None) -> dict[
         "decodeSecondsPerSequence": round(c.decode_s_per_seq, 8),
         "decodeSecondsPerKvToken": float(f"{c.decode_s_per_kv_token:.4g}"),
         "kvCapacityTokens": round(c.kv_capacity_tokens),
+        "localPrefillTokensPerSecond": round(c.local_prefill_rate, 1),
         "switchSeconds": round(c.switch_s, 1),
         "time": _now(),
     }
@@ -98,6 +99,7 @@ def capacity_status(c: RoleCapacity, evidence: dict[str, float] | None) -> dict[
             "switches": int(evidence["switches"]),
             "prefillTokensSeen": round(evidence["prefill_tokens_seen"], 1),
             "decodeBatchSeen": round(evidence["decode_batch_seen"], 2),
+            "localPrefillSlowdown": round(evidence["local_prefill_slowdown"], 3),
         }
     return out
 

@@ -5,7 +5,12 @@ engine flags the cluster may not have. This estimator starts from a prior (a pre
 local runner's calibration) and corrects it as evidence arrives, with its uncertainty:
 
 - prefill seconds = c0 + tokens x (c1 + c2 x context)         features (1, n, n x ctx)
-- decode step seconds = base + per_seq x batch + per_kv x kv   features (1, batch, kv)
+- decode step seconds = base + per_seq x batch + per_kv x kv + slow x local
+                                                    features (1, batch, kv, local)
+  where `local` is the seconds the prefill tokens a decode worker computed itself per step
+  (appends to contexts it holds: every sequence of the step waits for them) take at the
+  local prefill rate assumed so far (the prior's, scaled as the prefill pool's rate is
+  learned), and `slow` (prior 1) is how much slower they run inside decode steps than that.
 
 Each is a Bayesian linear regression: the prior is a Gaussian around the preset's coefficients
 (relative width `prior_rel_sd`), the evidence decays with a half-life (a cluster's load and
@@ -129,7 +134,7 @@ class CapacityEstimator:
     # where the evidence was measured: running means of what each fit saw (a fit is only
     # known near its evidence; elsewhere it is the prior's shape)
     _prefill_at: _Mean = field(default_factory=lambda: _Mean(2), init=False)
-    _decode_at: _Mean = field(default_factory=lambda: _Mean(2), init=False)
+    _decode_at: _Mean = field(default_factory=lambda: _Mean(3), init=False)
 
     def __post_init__(self) -> None:
         p = self.prior
@@ -142,9 +147,9 @@ class CapacityEstimator:
         floor = np.array([0.05 * quoted_s, 0.1 * per_token, 0.1 * per_token / 8192])
         self._prefill = _Fit(mu, _sd(mu, self.prior_rel_sd, floor), self.noise_rel,
                              self.half_life_s)  # fmt: skip
-        mu = np.array([p.decode_base_step_s, p.decode_s_per_seq, p.decode_s_per_kv_token])
+        mu = np.array([p.decode_base_step_s, p.decode_s_per_seq, p.decode_s_per_kv_token, 1.0])
         floor = np.array([0.1 * p.decode_base_step_s, 0.1 * p.decode_base_step_s / 64,
-                          0.1 * p.decode_base_step_s / 1e6])  # fmt: skip
+                          0.1 * p.decode_base_step_s / 1e6, 0.1])  # fmt: skip
         self._decode = _Fit(mu, _sd(mu, self.prior_rel_sd, floor), self.noise_rel,
                             self.half_life_s)  # fmt: skip
 
@@ -165,14 +170,17 @@ class CapacityEstimator:
             self._prefill_at.add((tokens, context))
 
     def observe_decode_step(self, batch: float, kv_tokens: float, seconds: float,
-                            now: float, steps: float | None = None) -> None:  # fmt: skip
+                            now: float, steps: float | None = None,
+                            local_tokens: float = 0.0) -> None:  # fmt: skip
         """A decode step (or a window's mean over `steps` steps) at `batch` sequences holding
-        `kv_tokens`."""
+        `kv_tokens`, carrying `local_tokens` prefill tokens the worker computed itself (per
+        step)."""
         self._age(now)
         if batch > 0:
             weight = _window_weight(steps, WINDOW_STEPS)
-            self._decode.add(np.array([1.0, batch, kv_tokens]), seconds, now, weight)
-            self._decode_at.add((batch, kv_tokens))
+            local_s = max(local_tokens, 0.0) / self._assumed_local_rate()
+            self._decode.add(np.array([1.0, batch, kv_tokens, local_s]), seconds, now, weight)
+            self._decode_at.add((batch, kv_tokens, max(local_tokens, 0.0)))
 
     def observe_kv_capacity(self, worker: str, tokens: float) -> None:
         """What a decode worker's engine allocated (cache blocks x block size)."""
@@ -191,15 +199,26 @@ class CapacityEstimator:
 
     # ---- the estimate -------------------------------------------------------------------------
 
+    def _prefill_rate(self) -> float:
+        """The learned prefill rate, quoted as `RoleCapacity.prefill_tokens_per_s` is."""
+        c0, c1, c2 = self._prefill.coef()
+        per_token = max(c1, 1e-12) + max(c2, 0.0) * self.prior.prefill_context
+        return float(PREFILL_QUOTED_TOKENS / (max(c0, 0.0) + PREFILL_QUOTED_TOKENS * per_token))
+
+    def _assumed_local_rate(self) -> float:
+        """The local prefill rate before the decode steps' own evidence: the prior's, scaled
+        like the pool's learned rate (the decode fit's `slow` is relative to it)."""
+        p = self.prior
+        return p.local_prefill_rate * self._prefill_rate() / p.prefill_tokens_per_s
+
     def capacity(self) -> RoleCapacity:
         p = self.prior
-        c0, c1, c2 = self._prefill.coef()
-        c1 = max(c1, 1e-12)
+        c0, _, c2 = self._prefill.coef()
         c2 = max(c2, 0.0)
-        per_req = max(c0, 0.0) + PREFILL_QUOTED_TOKENS * (c1 + c2 * p.prefill_context)
-        prefill = PREFILL_QUOTED_TOKENS / per_req
-        base, per_seq, per_kv = self._decode.coef()
-        speed = prefill / p.prefill_tokens_per_s  # local prefill scales like the pool's
+        prefill = self._prefill_rate()
+        base, per_seq, per_kv, slow = self._decode.coef()
+        # local prefill scales like the pool's, and runs `slow` times slower inside decode steps
+        speed = prefill / p.prefill_tokens_per_s / max(slow, 0.1)
         return replace(
             p,
             prefill_tokens_per_s=prefill,
@@ -210,7 +229,7 @@ class CapacityEstimator:
             decode_s_per_kv_token=max(per_kv, 0.0),
             kv_capacity_tokens=min(self._kv.values()) if self._kv else p.kv_capacity_tokens,
             switch_s=self._switch_s if self._switch_s is not None else p.switch_s,
-            local_prefill_tokens_per_s=p.local_prefill_tokens_per_s * speed,
+            local_prefill_tokens_per_s=p.local_prefill_rate * speed,
             local_prefill_rank_tokens_per_s=p.local_prefill_rank_tokens_per_s * speed,
             local_prefill_rank_s_per_token_per_context=p.local_prefill_rank_s_per_token_per_context
             / speed,
@@ -224,7 +243,7 @@ class CapacityEstimator:
         pre = float(x @ self._prefill.coef())
         pre_sd = math.sqrt(max(float(x @ self._prefill.cov() @ x), 0.0))
         batch = 64.0
-        y = np.array([1.0, batch, batch * p.prefill_context])
+        y = np.array([1.0, batch, batch * p.prefill_context, 0.0])
         dec = float(y @ self._decode.coef())
         dec_sd = math.sqrt(max(float(y @ self._decode.cov() @ y), 0.0))
         return {
@@ -238,4 +257,6 @@ class CapacityEstimator:
             "prefill_context_seen": self._prefill_at.mean[1],
             "decode_batch_seen": self._decode_at.mean[0],
             "decode_kv_seen": self._decode_at.mean[1],
+            "decode_local_tokens_seen": self._decode_at.mean[2],
+            "local_prefill_slowdown": max(float(self._decode.coef()[3]), 0.1),
         }
