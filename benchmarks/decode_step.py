@@ -1,11 +1,11 @@
 """The decode step a real engine runs under a rollout's load, beside its calibration.
 
 The controller learns the decode step online from each engine's `/metrics` (the mean step
-between tokens at the mean batch, `control/engine_metrics.decode_window`); the offline
-calibration times one steady batch. On real workers the two differ (the e2e test of the local
-runner prints by how much). This benchmark separates the candidate causes on one real vLLM
-worker (the tiny model, the mixed role, no router): the same engine, calibrated, then loaded
-the ways a rollout loads it, each window read the way the controller reads it:
+between tokens at the mean batch, `control/engine_metrics.decode_window`, with the prefill
+tokens the engine computed itself beside it); the offline calibration times one steady batch.
+This benchmark shows how the two part on one real vLLM worker (the tiny model, the mixed
+role, no router): the same engine, calibrated, then loaded the ways a rollout loads it, each
+window read from its `/metrics`:
 
 - steady: 8 sequences of 33 tokens at once (the calibration's own batch);
 - ramp and skewed: sequences of different lengths started together, so the batch shrinks as
@@ -20,9 +20,10 @@ loaded alone, then beside the prefill engine kept busy with prompt-only requests
 the router, every prompt's KV arriving over NIXL (the e2e's pair). `--prompt` sets the
 prompts' size (the e2e's turns are ~200 tokens).
 
-Each row: the engine's mean step, the mean batch, the controller's window figure (the local
-prefill taken out at the calibrated prefill rate) and the calibrated model at that batch and
-KV, with the excess. Asserts nothing; the order of the runs is repeated `--repeats` times.
+Each row: the engine's mean step, the mean batch, the window's step with the engine's own
+prefill taken out at the calibrated prefill rate (what the controller did before it learned
+that cost as a term of its own) and the calibrated model at that batch and KV, with the
+excess. Asserts nothing; the order of the runs is repeated `--repeats` times.
 
     .venv/bin/python benchmarks/decode_step.py [--repeats 2] [--pd] [--prompt 16] [--json F]
 """
