@@ -178,7 +178,8 @@ class CapacityEstimator:
         self._age(now)
         if batch > 0:
             weight = _window_weight(steps, WINDOW_STEPS)
-            local_s = max(local_tokens, 0.0) / self._assumed_local_rate()
+            # (the rate is a solve of the prefill fit: only where there is something to price)
+            local_s = local_tokens / self._assumed_local_rate() if local_tokens > 0 else 0.0
             self._decode.add(np.array([1.0, batch, kv_tokens, local_s]), seconds, now, weight)
             self._decode_at.add((batch, kv_tokens, max(local_tokens, 0.0)))
 
@@ -211,14 +212,18 @@ class CapacityEstimator:
         p = self.prior
         return p.local_prefill_rate * self._prefill_rate() / p.prefill_tokens_per_s
 
+    def _local_slowdown(self) -> float:
+        """How much slower a decode worker's own prefills run inside its steps (`slow`)."""
+        return max(float(self._decode.coef()[3]), 0.1)
+
     def capacity(self) -> RoleCapacity:
         p = self.prior
         c0, _, c2 = self._prefill.coef()
         c2 = max(c2, 0.0)
         prefill = self._prefill_rate()
-        base, per_seq, per_kv, slow = self._decode.coef()
+        base, per_seq, per_kv, _ = self._decode.coef()
         # local prefill scales like the pool's, and runs `slow` times slower inside decode steps
-        speed = prefill / p.prefill_tokens_per_s / max(slow, 0.1)
+        speed = prefill / p.prefill_tokens_per_s / self._local_slowdown()
         return replace(
             p,
             prefill_tokens_per_s=prefill,
@@ -258,5 +263,5 @@ class CapacityEstimator:
             "decode_batch_seen": self._decode_at.mean[0],
             "decode_kv_seen": self._decode_at.mean[1],
             "decode_local_tokens_seen": self._decode_at.mean[2],
-            "local_prefill_slowdown": max(float(self._decode.coef()[3]), 0.1),
+            "local_prefill_slowdown": self._local_slowdown(),
         }
