@@ -417,3 +417,55 @@ def test_the_chains_next_decodes_are_as_long_as_the_live_trajectories_groups_ans
     long_, short = fcs
     # (played at the average answer's length, as before the mix: 34.7 against 32.9)
     assert long_.decode_seqs[0] > short.decode_seqs[0] + 10
+
+
+def test_a_returning_turn_recomputes_what_its_cache_evicted_while_it_was_away() -> None:
+    """Learned: contexts away for 1 s are still cached, those away for 60 s were evicted
+    (an LRU cache evicts the longest idle first). Of 40 trajectories in tool calls now, half
+    come back within the first step and half after 39 s: the recompute is the late ones'.
+    One average share spread it over both (step 0 had 20 x (500 + 0.5 x 6,100) tokens)."""
+    tab = LifecycleTable()
+    for i in range(200):
+        tid, gap = f"h{i}", (0.5, 2.5, 40.0, 80.0)[i % 4]
+        tab.apply(Event(EventType.TRAJ_START, tid, 0.0))
+        tab.ingest(turn(tid, 0.0, 5000, 5000, 100))
+        tab.apply(Event(EventType.TOOL_START, tid, 1.1))
+        tab.apply(Event(EventType.TOOL_END, tid, 1.1 + gap))
+        held = gap < 10.0
+        tab.ingest(turn(tid, 1.1 + gap, 5600, 500 if held else 5600, 100))
+        tab.apply(Event(EventType.TRAJ_END, tid, 2.5 + gap))
+    assert tab.stats.recompute_by_gap.at(np.array([1.0, 60.0]), 0.5).tolist() == [0.0, 1.0]
+    now = 300.0
+    for i in range(40):
+        tid, hint = f"live{i}", (2.0 if i % 2 else 40.0)
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 2.1))
+        tab.ingest(turn(tid, now - 2.1, 6000, 6000, 100))  # its decode ends at now - 1
+        tab.apply(Event(EventType.TOOL_START, tid, now - 1.0, expected_seconds=hint))
+    tab.ingest([])
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
+    soon, late = fc.prefill_tokens_per_s[0] * H.step_s, fc.prefill_tokens_per_s[7] * H.step_s
+    out = tab.stats.tool_output_after(np.array([1]))[0]
+    # their contexts are still cached: their outputs (and the chain's quick returns), where
+    # the average share added 20 x 0.5 x 6,100 = 61,000 tokens
+    assert soon < 2.5 * 20 * out
+    assert late > 20 * 6100 * 0.8  # theirs were evicted
+
+
+def test_calls_in_flight_past_the_longest_that_ended_come_back_slowly() -> None:
+    """Early in a rollout: five calls ended after 1 s, 80 have run for 10-30 s. Kaplan-Meier
+    (flat past 1 s) says they never come back; as likely as not within another three times
+    as long is about half of them within the minute."""
+    tab = LifecycleTable()
+    now = 100.0
+    for i in range(5):
+        tid = f"done{i}"
+        tab.ingest([Event(EventType.TRAJ_START, tid, 50.0), *turn(tid, 50.0, 500, 500, 100)])
+        tab.apply(Event(EventType.TOOL_START, tid, 51.2))
+        tab.apply(Event(EventType.TOOL_END, tid, 52.2))
+        tab.apply(Event(EventType.TRAJ_END, tid, 52.2))
+    _in_tools(tab, 80, now, [now - 10.0 - 0.25 * i for i in range(80)])
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    fc = f.forecast(tab, now, H)
+    per_turn = tab.stats.tool_output_after(np.array([1]))[0] * tab.stats.p_continue_after_tool
+    returned = sum(fc.prefill_tokens_per_s) * H.step_s / per_turn
+    assert 0.3 * 80 < returned < 0.7 * 80, returned

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from prorsa.policy.stats import Ewma, LogHistogram, LogMoments
+from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, ShareByDuration
 from prorsa.sim.workload import Dist
 
 
@@ -132,3 +132,48 @@ def test_the_tail_past_the_longest_ended_duration_decays() -> None:
     assert h.survival(9.0, tail) == h.survival(9.0, flat)  # up to the last ended: the same
     assert 0.05 < h.survival(25.0, tail) < h.survival(15.0, tail) < 0.5  # then it decays
     assert h.survival(200.0, tail) < 1e-3
+
+
+def test_a_share_by_duration_rises_with_it_and_holds_past_the_longest_seen() -> None:
+    """What an LRU cache evicted of contexts idle for a while: nothing after 1 s, half
+    (noisily) after 10 s, all after 100 s. The fit is nondecreasing, and holds its last
+    share past the longest gap seen."""
+    s = ShareByDuration()
+    assert s.at(np.array([5.0]), 0.3).tolist() == [0.3]  # nothing learned: the default
+    gaps = np.array([1.0] * 20 + [10.0] * 20 + [12.0] * 20 + [100.0] * 20)
+    share = np.array([0.0] * 20 + [0.6] * 20 + [0.4] * 20 + [1.0] * 20)  # 12 s below 10 s
+    ctx = np.full(gaps.size, 1000.0)
+    s.add_all(gaps, share * ctx, ctx, now=10.0)
+    got = s.at(np.array([0.5, 1.0, 10.0, 12.0, 100.0, 5000.0]), 0.3)
+    assert got[0] == got[1] == 0.0
+    assert got[2] == pytest.approx(0.5) == got[3]  # pooled: the fit never falls
+    assert got[4] == got[5] == 1.0
+    assert np.all(np.diff(s.at(np.geomspace(0.01, 1e4, 50), 0.3)) >= 0)
+
+
+def test_a_share_by_duration_follows_the_cache_as_it_changes() -> None:
+    """Early in a rollout the cache holds everything; once it fills, contexts idle for 20 s
+    are gone. The old samples fade with the half-life."""
+    s = ShareByDuration(half_life_s=40.0)
+    ctx = np.full(50, 1000.0)
+    s.add_all(np.full(50, 20.0), np.zeros(50), ctx, now=100.0)
+    assert s.at(np.array([20.0]), 0.5)[0] == 0.0
+    s.add_all(np.full(50, 20.0), ctx, ctx, now=300.0)  # five half-lives later
+    assert s.at(np.array([20.0]), 0.5)[0] > 0.95
+
+
+def test_the_heavy_tail_sends_calls_in_flight_past_the_longest_ended_back_slowly() -> None:
+    """Kaplan-Meier says a call that has outlasted every ended one never returns; the heavy
+    tail says it returns within three times as long again with even odds."""
+    h = LogHistogram()
+    for _ in range(50):
+        h.add(1.0)
+    cens = [0.0] * h.bins
+    cens[h.index(10.0)] = 50.0  # as many in flight for 10 s
+    flat = h.survival_table(cens)
+    tail = h.with_heavy_tail(flat)
+    assert h.survival(100.0, flat) == pytest.approx(0.5)  # never returns
+    assert h.survival(0.9, tail) == h.survival(0.9, flat)  # up to the last ended: the same
+    for e in (10.0, 100.0):
+        back = 1.0 - h.survival(4.0 * e, tail) / h.survival(e, tail)
+        assert back == pytest.approx(0.5, abs=0.08)

@@ -288,9 +288,15 @@ class LifecycleForecaster:
         p_after = st.p_continue_after(w_depth, own_class[between])
         p_next = np.where(rows.tool_seen[between], st.p_continue_after_tool, p_after)
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
-        tokens = (out + recompute * w_ctx) * p_next
         hint = rows.tool_hint[between]
         hinted = ~np.isnan(hint) & (w_elapsed < np.nan_to_num(hint, nan=0.0))
+        # What comes back: the tool's output, and the share of the context evicted while the
+        # trajectory was away (an LRU cache evicts the longest idle first), by how long it
+        # will have been idle: since its last decode, which a tool call's start follows.
+        idle_before = np.maximum(rows.state_since[between] - rows.idle_since[between], 0.0)
+        evicted = st.recompute_by_gap.at
+        back_hinted = evicted(idle_before + np.nan_to_num(hint, nan=0.0), recompute)
+        tokens = (out + back_hinted * w_ctx) * p_next
         k = ((hint[hinted] - w_elapsed[hinted]) / f).astype(np.int64)
         soon = k < m_bins
         submit_tokens += np.bincount(k[soon], tokens[hinted][soon], minlength=m_bins)
@@ -298,7 +304,9 @@ class LifecycleForecaster:
         nb = hist.bins
         rest = ~hinted
         t_bin = hist.index_array(np.maximum(w_elapsed[rest], 0.0))
-        bin_tokens = np.bincount(t_bin, tokens[rest], minlength=nb)
+        bin_tokens = np.bincount(t_bin, (out * p_next)[rest], minlength=nb)
+        bin_ctx = np.bincount(t_bin, (w_ctx * p_next)[rest], minlength=nb)
+        bin_idle = np.bincount(t_bin, (w_ctx * p_next * idle_before)[rest], minlength=nb)
         bin_count = np.bincount(t_bin, p_next[rest], minlength=nb)
         # the calls in flight as censored durations, weighted as of their start (as learned)
         in_tool = np.bincount(t_bin, hist.start_weights(w_elapsed[rest]), minlength=nb)
@@ -324,6 +332,11 @@ class LifecycleForecaster:
         elif decoding:  # nothing finished yet: assume they leave within the horizon, evenly
             leave[:m_bins] += decoding / m_bins
         surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
+        # The calls in flight that outlasted every call that ended: Kaplan-Meier is flat past
+        # the longest, so they would never come back (early in a rollout, all but the first
+        # to return); the heavy tail brings them back slowly. The chain's new calls keep the
+        # curve: its tail there cost decode accuracy and the dense search async policy 1.7%.
+        surv_in_flight = hist.with_heavy_tail(surv) if surv is not None else None
         # Before any call has ended, the calls in flight are all the evidence: none ended in
         # their total time on test, so a call is expected to last at least that long (one
         # pseudo-event over the exposure), not just as long again as it has lasted so far.
@@ -331,11 +344,16 @@ class LifecycleForecaster:
         waiting_bins = np.flatnonzero(bin_count)
         if waiting_bins.size:
             probs = _returns(
-                hist, surv, hist.mid(waiting_bins), np.full(waiting_bins.size, f), m_bins, dt,
-                fallback_mean=tool_mean,
+                hist, surv_in_flight, hist.mid(waiting_bins), np.full(waiting_bins.size, f),
+                m_bins, dt, fallback_mean=tool_mean,
             )  # fmt: skip
             submit_count += bin_count[waiting_bins] @ probs
             submit_tokens += bin_tokens[waiting_bins] @ probs
+            # their contexts, by how long each will have been idle when it comes back
+            ctx_w = bin_ctx[waiting_bins]
+            idle_now = hist.mid(waiting_bins) + bin_idle[waiting_bins] / np.maximum(ctx_w, 1e-9)
+            back_at = idle_now[:, None] + (np.arange(m_bins) + 0.5)[None, :] * f
+            submit_tokens += ctx_w @ (probs * evicted(back_at, recompute))
         replaced, burst_rate, burst_s = (
             self._admission.observe(now, table.started_total, table.ended_total)
             if self.mode == "async"
@@ -350,9 +368,10 @@ class LifecycleForecaster:
         # Continuation in the chain: the current population's average at its turn depth.
         p_cont = pop_cont / pop_n if pop_n else st.p_continue
         # A returning trajectory's prefill: its tool output plus the evicted share of its context.
-        chain_tokens = (chain_out / ctx_n if ctx_n else mean_tool_out) + recompute * (
-            ctx_sum / ctx_n if ctx_n else 0.0
-        )
+        # (the evicted share by the fine bins it is away: its decode ended, its tool began)
+        chain_tokens = (chain_out / ctx_n if ctx_n else mean_tool_out) + evicted(
+            (np.arange(m_bins) + 0.5) * f, recompute
+        ) * (ctx_sum / ctx_n if ctx_n else 0.0)
         lag = int(prefill_lag / f)
         # Those prefilling now decode once their prefill latency has passed (first come,
         # first served: the longest waiting first), as new submissions do after `lag`.
@@ -426,7 +445,7 @@ class LifecycleForecaster:
                 submit_tokens[m + 1] += new * first_demand
             if back:
                 w = back * k0[: m_bins - m]
-                submit_tokens[m:] += w * chain_tokens
+                submit_tokens[m:] += w * chain_tokens[: m_bins - m]
                 if next_bin and m + 1 < m_bins:
                     submit_count[m + 1] += w[0]
                     submit_count[m + 1 :] += w[1:]

@@ -92,6 +92,7 @@ class LifecycleTable:
         self.turn = array("q")  # turns submitted
         self.state_since = array("d")
         self.last_ts = array("d")  # latest applied event
+        self.idle_since = array("d")  # when its context was last used (its last decode ended)
         self.started_at = array("d")
         self.context = array("q")  # tokens the next turn's prompt starts from
         self.pending = array("q")  # uncached tokens of the submitted, unprefilled turn
@@ -125,6 +126,7 @@ class LifecycleTable:
         event order per statistic, so the loop stays small."""
         rows_get, ended, code_of = self.rows.get, self.ended, _CODE
         last_ts, state, since, turn = self.last_ts, self.state, self.state_since, self.turn
+        idle_since = self.idle_since
         context, pending = self.context, self.pending
         tool_hint, tool_out_est, after_tool = self.tool_hint, self.tool_out_est, self.after_tool
         out_log_est = self.out_log_est
@@ -180,7 +182,8 @@ class LifecycleTable:
                     # What the turn appended (the tool's output) vs what its prefill computes:
                     # the excess is context the serving worker had evicted, recomputed.
                     grew = max(prompt - ctx, 0)
-                    appended((k, grew, demand, ctx))
+                    away = ts - idle_since[i] if old in _BETWEEN_TURNS else -1.0
+                    appended((k, grew, demand, ctx, away, ts))
                     # recency-weighted: an agent's observations change size as its task moves on
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
@@ -212,6 +215,7 @@ class LifecycleTable:
                     out_log_est[i] = y if level != level else level + _LEVEL_RATE * (y - level)
                 if not late:
                     context[i] += ev.output_tokens  # the next turn's prompt contains it
+                    idle_since[i] = ts
                     if old in _IN_TURN:
                         new = _WAITING
             elif code == _TOOL_START:
@@ -254,7 +258,7 @@ class LifecycleTable:
         self._ids[i] = traj_id
         self.state[i] = _WAITING
         self.turn[i] = 0
-        self.state_since[i] = self.last_ts[i] = self.started_at[i] = ts
+        self.state_since[i] = self.last_ts[i] = self.started_at[i] = self.idle_since[i] = ts
         self.context[i] = self.pending[i] = 0
         self.tool_hint[i] = _NO_HINT
         self.tool_out_est[i] = -1.0
@@ -273,7 +277,8 @@ class LifecycleTable:
         _grow(self.state, n, _DONE)
         for int_col in (self.turn, self.context, self.pending, self.group, self.after_tool):
             _grow(int_col, n, 0)
-        for col in (self.state_since, self.last_ts, self.started_at, self.tool_out_est):
+        for col in (self.state_since, self.last_ts, self.started_at, self.idle_since,
+                    self.tool_out_est):  # fmt: skip
             _grow(col, n, 0.0)
         _grow(self.out_log_est, n, math.nan)
         _grow(self.tool_hint, n, _NO_HINT)
@@ -427,6 +432,7 @@ class LifecycleTable:
             state=state[live],
             turn=np.array(self.turn, dtype=np.int64)[live],
             state_since=np.array(self.state_since, dtype=np.float64)[live],
+            idle_since=np.array(self.idle_since, dtype=np.float64)[live],
             context=np.array(self.context, dtype=np.int64)[live],
             tool_out_est=np.array(self.tool_out_est, dtype=np.float64)[live],
             out_log_est=np.array(self.out_log_est, dtype=np.float64)[live],
@@ -467,6 +473,7 @@ class Rows:
     state: np.ndarray
     turn: np.ndarray
     state_since: np.ndarray
+    idle_since: np.ndarray  # when the context was last used
     context: np.ndarray
     tool_out_est: np.ndarray  # -1: none yet
     out_log_est: np.ndarray  # recency-weighted log output tokens, NaN: none yet

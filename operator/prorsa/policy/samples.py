@@ -30,7 +30,8 @@ class Samples:
         self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
         self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
         self.first_prompts = array("d")  # (prompt tokens, demand tokens)
-        self.appended = array("d")  # (turn, tokens appended, uncached, context before)
+        # (turn, tokens appended, uncached, context before, seconds away (-1: unknown), ts)
+        self.appended = array("d")
         # (turn another turn followed / the trajectory ended after, its answer-length level,
         # decodes recorded before it in this batch)
         self.continued = array("d")
@@ -61,12 +62,16 @@ class Samples:
         prompts, demands = self.records(self.first_prompts, 2)
         st.first_prompt_tokens.add_all(prompts)
         st.first_prompt_demand.add_all(demands)
-        turn, grew, uncached, ctx = self.records(self.appended, 4)
+        turn, grew, uncached, ctx, away, ts = self.records(self.appended, 6)
         st.tool_output_tokens.add_all(grew)
         has_ctx = ctx > 0
-        st.recompute_share.add_all(
-            np.minimum(np.maximum(uncached - grew, 0.0)[has_ctx] / ctx[has_ctx], 1.0)
-        )
+        recomputed = np.minimum(np.maximum(uncached - grew, 0.0), ctx)
+        st.recompute_share.add_all(recomputed[has_ctx] / ctx[has_ctx])
+        timed = has_ctx & (away >= 0)
+        if timed.any():
+            st.recompute_by_gap.add_all(
+                away[timed], recomputed[timed], ctx[timed], float(ts[timed].max())
+            )
         st.learn_appended(turn.astype(np.int64) + 1, grew)
         decodes = self.records(self.decodes, DECODE_FIELDS)
         went_on, went_on_level, went_on_at = self.records(self.continued, 3)
