@@ -118,15 +118,21 @@ def test_durations_weighted_by_their_start_give_the_true_survival() -> None:
     assert s_end > 0.6
 
 
+def _half_ended(ended_s: float, running_s: float) -> tuple[LogHistogram, list[float]]:
+    """50 durations that ended after `ended_s`, as many still running after `running_s`:
+    the histogram and its (Kaplan-Meier) survival table."""
+    h = LogHistogram()
+    for _ in range(50):
+        h.add(ended_s)
+    cens = [0.0] * h.bins
+    cens[h.index(running_s)] = 50.0
+    return h, h.survival_table(cens)
+
+
 def test_the_tail_past_the_longest_ended_duration_decays() -> None:
     """Kaplan-Meier is flat past the longest duration seen to end; with a tail what is still
     running ends memorylessly, about as long again as the longest that ended."""
-    h = LogHistogram()
-    for _ in range(50):
-        h.add(10.0)
-    cens = [0.0] * h.bins
-    cens[h.index(40.0)] = 50.0  # as many still running after 40 s
-    flat = h.survival_table(cens)
+    h, flat = _half_ended(10.0, running_s=40.0)
     tail = h.with_tail(flat)
     assert h.survival(15.0, flat) == pytest.approx(0.5) == h.survival(1000.0, flat)
     assert h.survival(9.0, tail) == h.survival(9.0, flat)  # up to the last ended: the same
@@ -165,12 +171,7 @@ def test_a_share_by_duration_follows_the_cache_as_it_changes() -> None:
 def test_the_heavy_tail_sends_calls_in_flight_past_the_longest_ended_back_slowly() -> None:
     """Kaplan-Meier says a call that has outlasted every ended one never returns; the heavy
     tail says it returns within three times as long again with even odds."""
-    h = LogHistogram()
-    for _ in range(50):
-        h.add(1.0)
-    cens = [0.0] * h.bins
-    cens[h.index(10.0)] = 50.0  # as many in flight for 10 s
-    flat = h.survival_table(cens)
+    h, flat = _half_ended(1.0, running_s=10.0)
     tail = h.with_heavy_tail(flat)
     assert h.survival(100.0, flat) == pytest.approx(0.5)  # never returns
     assert h.survival(0.9, tail) == h.survival(0.9, flat)  # up to the last ended: the same
