@@ -7,6 +7,7 @@ update, because the controller feeds them thousands of events per decision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,14 @@ import numpy as np
 # seeds (0-89) against 1 (as long again as it has lasted), which helped prefill as much and
 # decode less; checked on seeds 5000-5119 (README).
 HEAVY_TAIL_INDEX = 0.5
+
+
+def log_bins(x: np.ndarray, lo: float, ratio: float, bins: int) -> np.ndarray:
+    """The log-spaced bin of every element: 0 up to `lo`, then one bin per factor `ratio`,
+    the last open-ended."""
+    i = ((np.log(np.maximum(x, lo)) - math.log(lo)) / math.log(ratio)).astype(np.int64) + 1
+    out: np.ndarray = np.where(x <= lo, 0, np.minimum(i, bins - 1))
+    return out
 
 
 @dataclass(slots=True)
@@ -108,9 +117,7 @@ class LogHistogram:
 
     def index_array(self, x: np.ndarray) -> np.ndarray:
         """`index` of every element."""
-        safe = np.maximum(x, self.lo)
-        i = ((np.log(safe) - self._log_lo) / self._log_ratio).astype(np.int64) + 1
-        return np.where(x <= self.lo, 0, np.minimum(i, self.bins - 1))
+        return log_bins(x, self.lo, self.ratio, self.bins)
 
     def mid(self, i: np.ndarray) -> np.ndarray:
         """A representative value of each bin (geometric middle; half of `lo` for bin 0)."""
@@ -192,27 +199,23 @@ class LogHistogram:
         flat: S decays memorylessly with that duration as the mean (what has lasted t is
         expected to last about t more), so the share still running is neither dropped nor
         held forever."""
-        last = max((i for i, c in enumerate(self.counts) if c > 0), default=-1)
-        if not 0 <= last < self.bins - 1 or table[last] <= 0:
-            return table
-        t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
-        return table[: last + 1] + [
-            table[last] * math.exp(-(self.lo * self.ratio**i - t_last) / t_last)
-            for i in range(last + 1, self.bins)
-        ]
+        return self._continued(table, lambda t: math.exp(1.0 - t))
 
     def with_heavy_tail(self, table: list[float]) -> list[float]:
         """`table` continued past the longest duration that ended by a Pareto tail of index
         `HEAVY_TAIL_INDEX`: what has lasted t is as likely as not to last 3t more. For durations
         that may have changed regime (a task's next phase calls slower tools), where the
         memoryless tail of `with_tail` brings them all back within the longest seen."""
+        return self._continued(table, lambda t: t**-HEAVY_TAIL_INDEX)
+
+    def _continued(self, table: list[float], tail: Callable[[float], float]) -> list[float]:
+        """`table` past the longest duration that ended times `tail(t / that duration)`."""
         last = max((i for i, c in enumerate(self.counts) if c > 0), default=-1)
         if not 0 <= last < self.bins - 1 or table[last] <= 0:
             return table
         t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
         return table[: last + 1] + [
-            table[last] * (t_last / (self.lo * self.ratio**i)) ** HEAVY_TAIL_INDEX
-            for i in range(last + 1, self.bins)
+            table[last] * tail(self.lo * self.ratio**i / t_last) for i in range(last + 1, self.bins)
         ]
 
     def survival_array(self, t: np.ndarray, table: list[float]) -> np.ndarray:
@@ -256,19 +259,16 @@ class ShareByDuration:
     # A cache fills and drains within a minute or two of a rollout; chosen on the forecast
     # benchmark's tuning seeds among 20, 40, 80, 150 and 300 s (README).
     half_life_s: float = 40.0
-    part: np.ndarray = field(default_factory=lambda: np.zeros(0))  # faded sums of the share's
-    whole: np.ndarray = field(default_factory=lambda: np.zeros(0))  # numerator, denominator
-    _t: float = 0.0  # when `part` and `whole` were last faded
-    _fit: np.ndarray | None = None
+    part: np.ndarray = field(init=False)  # faded sums per bin of the share's numerator
+    whole: np.ndarray = field(init=False)  # ... and denominator
+    _t: float = field(init=False, default=0.0)  # when they were last faded
+    _fit: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if not self.part.size:
-            self.part, self.whole = np.zeros(self.bins), np.zeros(self.bins)
+        self.part, self.whole = np.zeros(self.bins), np.zeros(self.bins)
 
     def index_array(self, x: np.ndarray) -> np.ndarray:
-        safe = np.maximum(x, self.lo)
-        i = (np.log(safe / self.lo) / math.log(self.ratio)).astype(np.int64) + 1
-        return np.where(x <= self.lo, 0, np.minimum(i, self.bins - 1))
+        return log_bins(x, self.lo, self.ratio, self.bins)
 
     def add_all(self, durations: np.ndarray, part: np.ndarray, whole: np.ndarray,
                 now: float) -> None:  # fmt: skip
