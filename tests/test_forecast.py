@@ -419,23 +419,33 @@ def test_the_chains_next_decodes_are_as_long_as_the_live_trajectories_groups_ans
     assert long_.decode_seqs[0] > short.decode_seqs[0] + 10
 
 
-def test_a_returning_turn_recomputes_what_its_cache_evicted_while_it_was_away() -> None:
-    """Learned: contexts away for 1 s are still cached, those away for 60 s were evicted
-    (an LRU cache evicts the longest idle first). Of 40 trajectories in tool calls now, half
-    come back within the first step and half after 39 s: the recompute is the late ones'.
-    One average share spread it over both (step 0 had 20 x (500 + 0.5 x 6,100) tokens)."""
+def _fillers(tab: LifecycleTable, name: str, n: int, t: float) -> list[str]:
+    """`n` new trajectories that prefill a 60,000-token prompt at `t`, answer and wait."""
+    tids = [f"{name}-{k}" for k in range(n)]
+    for tid in tids:
+        tab.ingest([Event(EventType.TRAJ_START, tid, t), *turn(tid, t, 60000, 60000, 100, 0.5)])
+    return tids
+
+
+def test_a_returning_turn_recomputes_what_the_lru_cache_evicted_while_it_was_away() -> None:
+    """Learned: every context came back after 5 s, whole if 5 contexts of 60,000 tokens were
+    used in the meantime, evicted if 20 were (an LRU cache of between 300K and 1.2M tokens).
+    Of 40 trajectories in tool calls now, half come back within the first step, with only
+    their own 244K tokens used since, and half after 39 s, after 20 more such contexts: the
+    recompute is the late ones'. By time away alone it was half of every return's."""
     tab = LifecycleTable()
-    for i in range(200):
-        tid, gap = f"h{i}", (0.5, 2.5, 40.0, 80.0)[i % 4]
-        tab.apply(Event(EventType.TRAJ_START, tid, 0.0))
-        tab.ingest(turn(tid, 0.0, 5000, 5000, 100))
-        tab.apply(Event(EventType.TOOL_START, tid, 1.1))
-        tab.apply(Event(EventType.TOOL_END, tid, 1.1 + gap))
-        held = gap < 10.0
-        tab.ingest(turn(tid, 1.1 + gap, 5600, 500 if held else 5600, 100))
-        tab.apply(Event(EventType.TRAJ_END, tid, 2.5 + gap))
-    assert tab.stats.recompute_by_gap.at(np.array([1.0, 60.0]), 0.5).tolist() == [0.0, 1.0]
-    now = 300.0
+    for j in range(100):
+        tid, t0, held = f"h{j}", 10.0 + 20.0 * j, j % 2 == 0
+        tab.ingest([Event(EventType.TRAJ_START, tid, t0), *turn(tid, t0, 5000, 5000, 100)])
+        tab.apply(Event(EventType.TOOL_START, tid, t0 + 1.2))
+        fillers = _fillers(tab, tid, 5 if held else 20, t0 + 2.0)
+        tab.apply(Event(EventType.TOOL_END, tid, t0 + 6.1))
+        tab.ingest(turn(tid, t0 + 6.1, 5600, 500 if held else 5600, 100))
+        tab.ingest([Event(EventType.TRAJ_END, x, t0 + 7.5) for x in [tid, *fillers]])
+    by_tokens = tab.stats.recompute_by_tokens_since.at(np.array([2.5e5, 1.5e6]), 0.5)
+    assert by_tokens.tolist() == [0.0, 1.0]
+    now = 2100.0
+    _fillers(tab, "late", 20, now - 20.6)
     for i in range(40):
         tid, hint = f"live{i}", (2.0 if i % 2 else 40.0)
         tab.apply(Event(EventType.TRAJ_START, tid, now - 2.1))
@@ -446,7 +456,7 @@ def test_a_returning_turn_recomputes_what_its_cache_evicted_while_it_was_away() 
     soon, late = fc.prefill_tokens_per_s[0] * H.step_s, fc.prefill_tokens_per_s[7] * H.step_s
     out = tab.stats.tool_output_after(np.array([1]))[0]
     # their contexts are still cached: their outputs (and the chain's quick returns), where
-    # the average share added 20 x 0.5 x 6,100 = 61,000 tokens
+    # half of each context added 20 x 0.5 x 6,100 = 61,000 tokens
     assert soon < 2.5 * 20 * out
     assert late > 20 * 6100 * 0.8  # theirs were evicted
 

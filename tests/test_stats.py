@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, ShareByDuration
+from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, Recency, RisingShare
 from prorsa.sim.workload import Dist
 
 
@@ -140,32 +140,40 @@ def test_the_tail_past_the_longest_ended_duration_decays() -> None:
     assert h.survival(200.0, tail) < 1e-3
 
 
-def test_a_share_by_duration_rises_with_it_and_holds_past_the_longest_seen() -> None:
-    """What an LRU cache evicted of contexts idle for a while: nothing after 1 s, half
-    (noisily) after 10 s, all after 100 s. The fit is nondecreasing, and holds its last
-    share past the longest gap seen."""
-    s = ShareByDuration()
-    assert s.at(np.array([5.0]), 0.3).tolist() == [0.3]  # nothing learned: the default
-    gaps = np.array([1.0] * 20 + [10.0] * 20 + [12.0] * 20 + [100.0] * 20)
-    share = np.array([0.0] * 20 + [0.6] * 20 + [0.4] * 20 + [1.0] * 20)  # 12 s below 10 s
-    ctx = np.full(gaps.size, 1000.0)
-    s.add_all(gaps, share * ctx, ctx, now=10.0)
-    got = s.at(np.array([0.5, 1.0, 10.0, 12.0, 100.0, 5000.0]), 0.3)
+def test_recency_counts_the_tokens_of_the_contexts_used_since_a_time() -> None:
+    """Contexts of 100, 200, 400 and 800 tokens last used at 1, 2, 2 and 5 s."""
+    r = Recency(np.array([5.0, 2.0, 1.0, 2.0]), np.array([800, 200, 100, 400]))
+    got = r.tokens_after(np.array([0.0, 1.0, 1.5, 2.0, 4.9, 5.0]))
+    assert got.tolist() == [1500.0, 1400.0, 1400.0, 800.0, 800.0, 0.0]
+    assert Recency(np.array([]), np.array([])).tokens_after(np.array([1.0])).tolist() == [0.0]
+
+
+def test_a_rising_share_rises_with_its_level_and_holds_past_the_highest_seen() -> None:
+    """What an LRU cache evicted of contexts with tokens used since: nothing behind 10K,
+    half (noisily) behind 100K, all behind 1M. The fit is nondecreasing, and holds its last
+    share past the highest level seen."""
+    s = RisingShare()
+    assert s.at(np.array([5e4]), 0.3).tolist() == [0.3]  # nothing learned: the default
+    since = np.array([1e4] * 20 + [1e5] * 20 + [1.2e5] * 20 + [1e6] * 20)
+    share = np.array([0.0] * 20 + [0.6] * 20 + [0.4] * 20 + [1.0] * 20)  # 120K below 100K
+    ctx = np.full(since.size, 1000.0)
+    s.add_all(since, share * ctx, ctx, now=10.0)
+    got = s.at(np.array([5e3, 1e4, 1e5, 1.2e5, 1e6, 5e7]), 0.3)
     assert got[0] == got[1] == 0.0
     assert got[2] == pytest.approx(0.5) == got[3]  # pooled: the fit never falls
     assert got[4] == got[5] == 1.0
-    assert np.all(np.diff(s.at(np.geomspace(0.01, 1e4, 50), 0.3)) >= 0)
+    assert np.all(np.diff(s.at(np.geomspace(10.0, 1e9, 50), 0.3)) >= 0)
 
 
-def test_a_share_by_duration_follows_the_cache_as_it_changes() -> None:
-    """Early in a rollout the cache holds everything; once it fills, contexts idle for 20 s
-    are gone. The old samples fade with the half-life."""
-    s = ShareByDuration(half_life_s=40.0)
+def test_a_rising_share_follows_the_cache_as_it_changes() -> None:
+    """The decode workers' caches hold 300K tokens, then fewer once some became prefill
+    workers: contexts behind 200K are gone. The old samples fade with the half-life."""
+    s = RisingShare(half_life_s=40.0)
     ctx = np.full(50, 1000.0)
-    s.add_all(np.full(50, 20.0), np.zeros(50), ctx, now=100.0)
-    assert s.at(np.array([20.0]), 0.5)[0] == 0.0
-    s.add_all(np.full(50, 20.0), ctx, ctx, now=300.0)  # five half-lives later
-    assert s.at(np.array([20.0]), 0.5)[0] > 0.95
+    s.add_all(np.full(50, 2e5), np.zeros(50), ctx, now=100.0)
+    assert s.at(np.array([2e5]), 0.5)[0] == 0.0
+    s.add_all(np.full(50, 2e5), ctx, ctx, now=300.0)  # five half-lives later
+    assert s.at(np.array([2e5]), 0.5)[0] > 0.95
 
 
 def test_the_heavy_tail_sends_calls_in_flight_past_the_longest_ended_back_slowly() -> None:

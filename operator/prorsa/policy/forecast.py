@@ -290,11 +290,17 @@ class LifecycleForecaster:
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
         hint = rows.tool_hint[between]
         hinted = ~np.isnan(hint) & (w_elapsed < np.nan_to_num(hint, nan=0.0))
-        # What comes back: the tool's output, and the share of the context evicted while the
-        # trajectory was away (an LRU cache evicts the longest idle first), by how long it
-        # will have been idle: since its last decode, which a tool call's start follows.
+        # What comes back: the tool's output, and the share of its context evicted while the
+        # trajectory was away. An LRU cache keeps the contexts used most recently: what comes
+        # back is whole if the tokens used since it was fit beside it. Those are read off the
+        # live contexts' last uses now, by how long it will have been idle when it comes back
+        # (since its last decode, which a tool call's start follows).
         idle_before = np.maximum(rows.state_since[between] - rows.idle_since[between], 0.0)
-        evicted = st.recompute_by_gap.at
+        recency, by_tokens_since = table.recency(), st.recompute_by_tokens_since.at
+
+        def evicted(idle: np.ndarray, default: float) -> np.ndarray:
+            return by_tokens_since(recency.tokens_after(now - idle), default)
+
         back_hinted = evicted(idle_before + np.nan_to_num(hint, nan=0.0), recompute)
         tokens = (out + back_hinted * w_ctx) * p_next
         k = ((hint[hinted] - w_elapsed[hinted]) / f).astype(np.int64)

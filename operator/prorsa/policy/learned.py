@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, ShareByDuration
+from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, RisingShare
 
 TOOL_OUTPUT_PRIOR = 512.0  # tokens of a tool observation before any was seen
 
@@ -32,8 +32,8 @@ class LearnedStats:
     prefill_latency_s: Ewma  # submit -> prefill done (queueing + compute)
     remote_share: Ewma  # fraction of submitted prefill tokens a prefill pool would take
     recompute_share: Ewma  # fraction of a returning trajectory's context recomputed (evicted)
-    # ... by how long it was away between turns: LRU caches evict the longest idle first
-    recompute_by_gap: ShareByDuration
+    # ... by the tokens of the contexts used since it was: what an LRU cache keeps first
+    recompute_by_tokens_since: RisingShare
     # Per pool-worthy turn: tokens its decode worker would compute, and tokens a prefill pool
     # computes for it (more: the held context it recomputes); their ratio prices the pool.
     worthy_tokens: Ewma
@@ -70,7 +70,7 @@ class LearnedStats:
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
             recompute_share=Ewma(0.02),
-            recompute_by_gap=ShareByDuration(),
+            recompute_by_tokens_since=RisingShare(),
             worthy_tokens=Ewma(0.02),
             pool_tokens=Ewma(0.02),
         )

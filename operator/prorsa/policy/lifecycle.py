@@ -29,6 +29,7 @@ import numpy as np
 from prorsa.policy.events import Event, EventType, State, Trajectory
 from prorsa.policy.learned import LearnedStats
 from prorsa.policy.samples import DECODE_FIELDS, Samples
+from prorsa.policy.stats import Recency
 
 # State as plain ints, for the columns; DONE also marks a free row.
 _WAITING, _PREFILL, _DECODE, _TOOL, _DONE = range(5)
@@ -76,6 +77,7 @@ class LifecycleTable:
         self.stats = LearnedStats.fresh()
         self.now = 0.0
         self._last_sweep = 0.0
+        self._recency: tuple[tuple[int, int], Recency] | None = None  # (as of, recency)
         # Cumulative counters (forecasters difference them between decisions).
         self.submitted_tokens_total = 0
         self.started_total = 0
@@ -246,7 +248,8 @@ class LifecycleTable:
         self.duplicates_total += dups
         self.late_total += late_n
         self.submitted_tokens_total += submitted
-        learn.teach(self.stats, self.group_n, self.group_log_sum, self.group_prior_weight)
+        recency = self.recency() if learn.appended else None
+        learn.teach(self.stats, self.group_n, self.group_log_sum, self.group_prior_weight, recency)
 
     def _create(self, traj_id: str, ts: float) -> int:
         if len(self.rows) >= self.max_trajectories:
@@ -423,6 +426,20 @@ class LifecycleTable:
         (what does not fit is evicted and recomputed when the trajectory comes back)."""
         live = np.frombuffer(self.state, dtype=np.int8) < _DONE
         return int(np.frombuffer(self.context, dtype=np.int64)[live].sum())
+
+    def recency(self) -> Recency:
+        """The live contexts by when each was last used: now for those in a turn. (Kept
+        until the next event: ingest reads it, and the forecast right after.)"""
+        as_of = (self.events_total, self.evicted_total)
+        if self._recency is not None and self._recency[0] == as_of:
+            return self._recency[1]
+        state = np.frombuffer(self.state, dtype=np.int8)
+        live = np.flatnonzero(state < _DONE)
+        in_turn = (state[live] == _PREFILL) | (state[live] == _DECODE)
+        touched = np.where(in_turn, self.now, np.frombuffer(self.idle_since)[live])
+        recency = Recency(touched, np.frombuffer(self.context, dtype=np.int64)[live])
+        self._recency = (as_of, recency)
+        return recency
 
     def live_rows(self) -> Rows:
         """The columns of every live trajectory, as numpy arrays (copies)."""

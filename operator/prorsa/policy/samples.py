@@ -15,6 +15,7 @@ from array import array
 import numpy as np
 
 from prorsa.policy.learned import LearnedStats, length_classes
+from prorsa.policy.stats import Recency
 
 DECODE_FIELDS = 4  # a decode record: (group row, output tokens, seconds, ts)
 
@@ -47,7 +48,12 @@ class Samples:
         return np.frombuffer(col, dtype=np.float64).reshape(-1, width).T.copy()
 
     def teach(
-        self, stats: LearnedStats, group_n: array[float], group_log_sum: array[float], k: float
+        self,
+        stats: LearnedStats,
+        group_n: array[float],
+        group_log_sum: array[float],
+        k: float,
+        recency: Recency | None = None,
     ) -> None:
         """Teach `stats` (and the GRPO groups' running log-length sums, `group_n` and
         `group_log_sum`, with `k` the weight of the overall mean in a group's) what this
@@ -68,9 +74,11 @@ class Samples:
         recomputed = np.minimum(np.maximum(uncached - grew, 0.0), ctx)
         st.recompute_share.add_all(recomputed[has_ctx] / ctx[has_ctx])
         timed = has_ctx & (away >= 0)
-        if timed.any():
-            st.recompute_by_gap.add_all(
-                away[timed], recomputed[timed], ctx[timed], float(ts[timed].max())
+        if timed.any() and recency is not None:
+            # the tokens used since it was last used (its own use now among them: less its size)
+            since = recency.tokens_after((ts - away)[timed]) - (ctx + grew)[timed]
+            st.recompute_by_tokens_since.add_all(
+                np.maximum(since, 0.0), recomputed[timed], ctx[timed], float(ts[timed].max())
             )
         st.learn_appended(turn.astype(np.int64) + 1, grew)
         decodes = self.records(self.decodes, DECODE_FIELDS)

@@ -241,23 +241,25 @@ class LogHistogram:
 
 
 @dataclass
-class ShareByDuration:
-    """A share that grows with a duration, over log-spaced bins of it, samples fading with
-    `half_life_s`: what a prefix cache has evicted of a context left idle that long.
+class RisingShare:
+    """A share that rises with a level, over log-spaced bins of it, samples fading with
+    `half_life_s`: what a prefix cache has evicted of a context, by the tokens of the
+    contexts used since it was (`Recency`).
 
-    An LRU prefix cache (vLLM's, the simulator's) evicts the contexts idle longest first, so
-    the share of a returning trajectory's context that is recomputed rises with how long it
-    was away; one average share spreads over every return the recompute that only the late
-    ones pay. The bins' ratios (token-weighted) are fitted nondecreasing (pool adjacent
-    violators) and interpolated between; durations past the longest seen take the last
-    bin's share, those short of the shortest the first's.
+    An LRU prefix cache (vLLM's, the simulator's) keeps the contexts used most recently and
+    evicts the rest, so the share of a returning trajectory's context that is recomputed
+    rises with the tokens used since it was last used, up to whole once they pass the
+    cache's capacity; one average share spreads over every return the recompute that only
+    the ones left deepest pay. The bins' ratios (token-weighted) are fitted nondecreasing
+    (pool adjacent violators) and interpolated between; levels past the highest seen take
+    the last bin's share, those short of the lowest the first's.
     """
 
-    lo: float = 0.01
+    lo: float = 64.0  # tokens; 48 bins reach 10^9
     ratio: float = math.sqrt(2.0)
     bins: int = 48
-    # A cache fills and drains within a minute or two of a rollout; chosen on the forecast
-    # benchmark's tuning seeds among 20, 40, 80, 150 and 300 s (README).
+    # The caches' share of the KV changes as workers switch roles and the load moves between
+    # them; chosen on the forecast benchmark's tuning seeds among 40, 150 and 1000 s (README).
     half_life_s: float = 40.0
     part: np.ndarray = field(init=False)  # faded sums per bin of the share's numerator
     whole: np.ndarray = field(init=False)  # ... and denominator
@@ -270,27 +272,27 @@ class ShareByDuration:
     def index_array(self, x: np.ndarray) -> np.ndarray:
         return log_bins(x, self.lo, self.ratio, self.bins)
 
-    def add_all(self, durations: np.ndarray, part: np.ndarray, whole: np.ndarray,
+    def add_all(self, levels: np.ndarray, part: np.ndarray, whole: np.ndarray,
                 now: float) -> None:  # fmt: skip
-        """Samples of `part` out of `whole` (tokens recomputed, context) after `durations`."""
-        if not durations.size:
+        """Samples of `part` out of `whole` (tokens recomputed, context) at `levels`."""
+        if not levels.size:
             return
         if now > self._t:
             fade = 0.5 ** ((now - self._t) / self.half_life_s)
             self.part *= fade
             self.whole *= fade
             self._t = now
-        i = self.index_array(durations)
+        i = self.index_array(levels)
         self.part += np.bincount(i, part, self.bins)
         self.whole += np.bincount(i, whole, self.bins)
         self._fit = None
 
-    def at(self, durations: np.ndarray, default: float) -> np.ndarray:
-        """The share after each duration; `default` everywhere before any sample."""
+    def at(self, levels: np.ndarray, default: float) -> np.ndarray:
+        """The share at each level; `default` everywhere before any sample."""
         fit = self._fitted()
         if fit is None:
-            return np.full(np.shape(durations), default)
-        out: np.ndarray = fit[self.index_array(np.asarray(durations, dtype=np.float64))]
+            return np.full(np.shape(levels), default)
+        out: np.ndarray = fit[self.index_array(np.asarray(levels, dtype=np.float64))]
         return out
 
     def _fitted(self) -> np.ndarray | None:
@@ -316,3 +318,22 @@ class ShareByDuration:
         fit: np.ndarray = np.interp(np.arange(self.bins), seen, at_seen)
         self._fit = fit
         return fit
+
+
+class Recency:
+    """Live contexts ordered by when each was last used: how many tokens were used more
+    recently than a given time. An LRU prefix cache keeps those ahead of a context idle since
+    then, so that, against the cache's capacity, says how much of it is evicted."""
+
+    __slots__ = ("_after", "_touched")
+
+    def __init__(self, touched: np.ndarray, tokens: np.ndarray) -> None:
+        order = np.argsort(touched, kind="stable")
+        self._touched = touched[order]
+        w = np.asarray(tokens, dtype=np.float64)[order]
+        self._after = np.concatenate((np.cumsum(w[::-1])[::-1], [0.0]))
+
+    def tokens_after(self, at: np.ndarray) -> np.ndarray:
+        """Tokens of the contexts last used after each time in `at`."""
+        out: np.ndarray = self._after[np.searchsorted(self._touched, at, side="right")]
+        return out
