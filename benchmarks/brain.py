@@ -32,8 +32,9 @@ from prorsa.policy.allocate import (
     make_policy,
 )
 from prorsa.policy.events import Event, EventType
-from prorsa.policy.forecast import Forecast, Horizon, LifecycleForecaster
+from prorsa.policy.forecast import Forecast, Horizon
 from prorsa.policy.lifecycle import LifecycleTable
+from prorsa.policy.lifecycle_forecast import LifecycleForecaster
 from prorsa.sim.compare import compare, run_policy, score
 from prorsa.sim.config import SimConfig, SimResult
 from prorsa.sim.costmodel import Cost, CostModel, ScaledCost

@@ -6,17 +6,10 @@ import pytest
 from conftest import turn
 from prorsa.policy.calibrate import LeadCalibration
 from prorsa.policy.events import Event, EventType
-from prorsa.policy.forecast import (
-    EwmaForecaster,
-    Forecast,
-    ForecastScorer,
-    Horizon,
-    LastValueForecaster,
-    LifecycleForecaster,
-    TrainerAdmission,
-    make_forecaster,
-)
+from prorsa.policy.forecast import Forecast, ForecastScorer, Horizon
+from prorsa.policy.forecasters import EwmaForecaster, LastValueForecaster, make_forecaster
 from prorsa.policy.lifecycle import LifecycleTable, State
+from prorsa.policy.lifecycle_forecast import LifecycleForecaster, TrainerAdmission
 
 H = Horizon(step_s=5.0, steps=12)
 

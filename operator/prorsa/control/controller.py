@@ -37,9 +37,11 @@ from prorsa.policy.allocate import (
     make_policy,
 )
 from prorsa.policy.capacity import RoleCapacity
-from prorsa.policy.forecast import Forecast, LifecycleForecaster, RolloutMode, make_forecaster
+from prorsa.policy.forecast import Forecast, RolloutMode
+from prorsa.policy.forecasters import make_forecaster
 from prorsa.policy.learn import CapacityEstimator
 from prorsa.policy.lifecycle import LifecycleTable
+from prorsa.policy.lifecycle_forecast import LifecycleForecaster
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,8 @@ from prorsa.policy.allocate import (
     make_policy,
 )
 from prorsa.policy.events import Event, EventType, State
-from prorsa.policy.forecast import (
-    Forecast,
-    Forecaster,
-    ForecastScorer,
-    make_forecaster,
-)
+from prorsa.policy.forecast import Forecast, Forecaster, ForecastScorer
+from prorsa.policy.forecasters import make_forecaster
 from prorsa.policy.learn import CapacityEstimator
 from prorsa.policy.lifecycle import LifecycleTable
 from prorsa.sim.config import (
