@@ -472,3 +472,40 @@ def test_calls_in_flight_past_the_longest_that_ended_come_back_slowly() -> None:
     per_turn = tab.stats.tool_output_after(np.array([1]))[0] * tab.stats.p_continue_after_tool
     returned = sum(fc.prefill_tokens_per_s) * H.step_s / per_turn
     assert 0.3 * 80 < returned < 0.7 * 80, returned
+
+
+def test_the_chains_returns_are_priced_as_the_trajectories_that_will_return() -> None:
+    """Learned: half the decodes take 1 s and half 1,000 s, tools 2 s, six turns, and a
+    returning context is recomputed whole. Now 200 trajectories with 100,000-token contexts
+    have decoded for 10 s (the long kind: none ends within the minute) and 20 with
+    2,100-token contexts are in a 2 s tool call. The turns the chain plays after their
+    returns are the 20's: each brings back a few thousand tokens, not the live
+    trajectories' mean context (91,000): the chain's trajectories are weighted by the
+    chance that they leave decode within the horizon."""
+    tab = LifecycleTable()
+    for i in range(300):
+        tid, t, d = f"h{i}", 0.01 * i, (1.0, 1000.0)[i % 2]
+        tab.apply(Event(EventType.TRAJ_START, tid, t))
+        for k in range(6):
+            prompt = 2000 + 600 * k
+            tab.ingest(turn(tid, t, prompt, prompt, 100, d))
+            tab.apply(Event(EventType.TOOL_START, tid, t + d + 0.2))
+            tab.apply(Event(EventType.TOOL_END, tid, t + d + 2.2))
+            t += d + 2.2
+        tab.apply(Event(EventType.TRAJ_END, tid, t))
+    now = 7000.0
+    for i in range(200):
+        tid = f"long{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 10.2))
+        tab.ingest(turn(tid, now - 10.2, 100000, 100000, 100, 1000.0)[:2])  # decoding
+    for i in range(20):
+        tid = f"cycler{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 3.1))
+        tab.ingest(turn(tid, now - 3.1, 2000, 2000, 100))
+        tab.apply(Event(EventType.TOOL_START, tid, now - 1.0))
+    tab.ingest([])
+    fc = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0).forecast(tab, now, H)
+    tokens = sum(fc.prefill_tokens_per_s) * H.step_s
+    # the 20 come back recomputing their 2,100 tokens with ~600 more, and some go round again
+    # (priced at the mean live context, the chain's few returns added ~150,000)
+    assert 20 * 2100 < tokens < 20 * 3500

@@ -199,14 +199,6 @@ class LifecycleForecaster:
         # the calls in flight as censored durations, weighted as of their start (as learned)
         in_tool = np.bincount(t_bin, hist.start_weights(w_elapsed[rest]), minlength=nb)
 
-        # Population averages for the chain below.
-        pop_n = decoding + float(w_depth.size)
-        p_decoding = st.p_continue_after(d_depth, own_class[decoding_now])
-        pop_cont = float(p_decoding.sum() + p_after.sum())  # after a decode
-        chain_out = float(out_by_turn[d_depth].sum() + out_by_turn[w_depth].sum())
-        ctx_n = pop_n
-        ctx_sum = float(d_ctx.sum() + w_ctx.sum())
-
         # Today's decodes leaving in fine bin m (index m_bins: after the horizon).
         leave = np.zeros(m_bins + 1)
         dsurv = dhist.survival_table(in_decode.tolist(), now) if dhist.total > 0 else None
@@ -219,6 +211,22 @@ class LifecycleForecaster:
             leave[m_bins] += float(np.sum(counts * np.maximum(0.0, 1.0 - probs.sum(axis=1))))
         elif decoding:  # nothing finished yet: assume they leave within the horizon, evenly
             leave[:m_bins] += decoding / m_bins
+
+        # Averages for the chain below, over the trajectories it will play: those between
+        # turns, and those decoding as likely as each is to leave decode within the horizon.
+        # (By head count, long decodes that stay put, a task's planning phase, priced the
+        # turns that cycle through the horizon, its acting phase, at their contexts.)
+        w_dec = np.ones(d_depth.size)
+        if dsurv is not None:
+            p_cell = np.zeros(3 * nd)
+            p_cell[cells] = probs.sum(axis=1)
+            w_dec = p_cell[gb * nd + d_bin]
+        p_decoding = st.p_continue_after(d_depth, own_class[decoding_now])
+        pop_n = float(w_dec.sum()) + float(w_depth.size)
+        pop_cont = float((p_decoding * w_dec).sum() + p_after.sum())  # after a decode
+        chain_out = float((out_by_turn[d_depth] * w_dec).sum() + out_by_turn[w_depth].sum())
+        ctx_n = pop_n
+        ctx_sum = float((d_ctx * w_dec).sum() + w_ctx.sum())
         surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
         # The calls in flight that outlasted every call that ended: Kaplan-Meier is flat past
         # the longest, so they would never come back (early in a rollout, all but the first
