@@ -509,3 +509,38 @@ def test_the_chains_returns_are_priced_as_the_trajectories_that_will_return() ->
     # the 20 come back recomputing their 2,100 tokens with ~600 more, and some go round again
     # (priced at the mean live context, the chain's few returns added ~150,000)
     assert 20 * 2100 < tokens < 20 * 3500
+
+
+def test_calls_in_flight_return_with_the_latencies_of_the_turn_they_precede() -> None:
+    """Learned: the call before a trajectory's second turn takes 2 s, the calls before its
+    third and fourth 40 s. Forty trajectories began the call before their third turn 1 s
+    ago: they come back after about 40 s. With every depth's calls together, a third of
+    them (the 2 s kind, conditioned on 1 s) came back within the first step."""
+    tab = LifecycleTable()
+    for i in range(50):
+        tid = f"h{i}"
+        tab.ingest([Event(EventType.TRAJ_START, tid, 0.0), *turn(tid, 0.0, 100, 100, 10)])
+        tab.apply(Event(EventType.TOOL_START, tid, 1.2))
+        tab.apply(Event(EventType.TOOL_END, tid, 3.2))
+        tab.ingest(turn(tid, 3.2, 300, 190, 10))
+        for t in (4.4, 45.6):
+            tab.apply(Event(EventType.TOOL_START, tid, t))
+            tab.apply(Event(EventType.TOOL_END, tid, t + 40.0))
+            tab.ingest(turn(tid, t + 40.0, 310 + 200 * (t > 5), 190, 10))
+        tab.apply(Event(EventType.TRAJ_END, tid, 90.0))
+    now = 300.0
+    for i in range(40):
+        tid = f"live{i}"
+        tab.ingest(
+            [Event(EventType.TRAJ_START, tid, now - 10.0), *turn(tid, now - 10.0, 100, 100, 10)]
+        )
+        tab.apply(Event(EventType.TOOL_START, tid, now - 8.8))
+        tab.apply(Event(EventType.TOOL_END, tid, now - 6.8))
+        tab.ingest(turn(tid, now - 6.8, 300, 190, 10))
+        tab.apply(Event(EventType.TOOL_START, tid, now - 1.0))
+    tab.ingest([])
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    fc = f.forecast(tab, now, H)
+    per_step = [x * H.step_s for x in fc.prefill_tokens_per_s]
+    assert per_step[0] < 0.1 * 40 * 190
+    assert sum(per_step[6:9]) > 0.5 * 40 * 190

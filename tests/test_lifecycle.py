@@ -7,7 +7,7 @@ import pytest
 
 from conftest import turn
 from prorsa.policy.events import Event, EventType, State
-from prorsa.policy.learned import turn_bin
+from prorsa.policy.learned import depth_class, turn_bin
 from prorsa.policy.lifecycle import LifecycleTable
 
 
@@ -163,6 +163,31 @@ def test_continuation_is_learned_per_turn_depth() -> None:
     assert turn_bin(1) != turn_bin(2)
 
 
+def test_tool_latency_is_learned_per_depth_of_the_turn_it_precedes() -> None:
+    """Every trajectory: a 2 s tool call before its second turn, 40 s (timed from its last
+    decode where no call was reported) before its third and fourth."""
+    tab = LifecycleTable()
+    for i in range(50):
+        tid = f"t{i}"
+        tab.ingest([start(tid, 0.0), *turn(tid, 0.0, 100, 100, 10)])
+        tab.apply(Event(EventType.TOOL_START, tid, 1.2))
+        tab.apply(Event(EventType.TOOL_END, tid, 3.2))
+        tab.ingest(turn(tid, 3.2, 300, 190, 10))
+        tab.ingest(turn(tid, 44.3, 500, 190, 10))  # no call reported: a 40 s gap
+        tab.apply(Event(EventType.TOOL_START, tid, 45.4))
+        tab.apply(Event(EventType.TOOL_END, tid, 85.4))
+        tab.ingest(turn(tid, 85.4, 700, 190, 10))
+    assert depth_class(np.array([0, 1, 2, 3, 4, 7, 8, 16, 100])).tolist() == [
+        0, 1, 2, 2, 3, 3, 4, 5, 5,
+    ]  # fmt: skip
+    second, later = tab.stats.tool_by_depth[1], tab.stats.tool_by_depth[2]  # turns 1; 2-3
+    assert second.n == 50 and later.n == 100
+    s2, s40 = second.survival_table(), later.survival_table()
+    assert second.survival(1.5, s2) > 0.9 and second.survival(3.0, s2) < 0.1
+    assert later.survival(25.0, s40) > 0.9 and later.survival(60.0, s40) < 0.1
+    assert tab.stats.tool_latency.n == 150  # and all of them together
+
+
 def test_a_batch_teaches_what_the_same_events_one_by_one_teach() -> None:
     """`ingest` learns a batch's statistics after its state machine pass; the result must
     not depend on how the stream was cut into batches (group length factors included)."""
@@ -198,6 +223,8 @@ def test_a_batch_teaches_what_the_same_events_one_by_one_teach() -> None:
     assert a.output_len.var == pytest.approx(b.output_len.var)
     assert a.decode_duration.counts == pytest.approx(b.decode_duration.counts)
     assert a.tool_latency.counts == pytest.approx(b.tool_latency.counts)
+    for by_depth_a, by_depth_b in zip(a.tool_by_depth, b.tool_by_depth, strict=True):
+        assert by_depth_a.counts == pytest.approx(by_depth_b.counts)
     assert a.remote_share.value == pytest.approx(b.remote_share.value)
     assert a.recompute_share.value == pytest.approx(b.recompute_share.value)
     assert a.tool_out_sum_by_turn == pytest.approx(b.tool_out_sum_by_turn)

@@ -19,6 +19,7 @@ class LearnedStats:
     """Distributions learned online from completed work."""
 
     tool_latency: LogHistogram
+    tool_by_depth: list[LogHistogram]  # the same per `depth_class` of the turn it precedes
     tool_output_tokens: Ewma  # tokens a turn appends after the first (tool output)
     first_prompt_tokens: Ewma
     # what a first prompt costs to prefill: less than its size where a shared prefix is cached
@@ -60,6 +61,7 @@ class LearnedStats:
     def fresh(cls) -> LearnedStats:
         return cls(
             tool_latency=LogHistogram(),
+            tool_by_depth=[LogHistogram() for _ in range(DEPTH_CLASSES)],
             tool_output_tokens=Ewma(0.05),
             first_prompt_tokens=Ewma(0.05),
             first_prompt_demand=Ewma(0.05),
@@ -176,6 +178,18 @@ def length_class(factor: np.ndarray) -> np.ndarray:
     """Short (0), average (1) or long (2) answers, from a length factor (answer length over
     the overall mean: below 0.7, up to 1.4, beyond)."""
     out: np.ndarray = np.where(factor < 0.7, 0, np.where(factor < 1.4, 1, 2))
+    return out
+
+
+DEPTH_CLASSES = 6
+
+
+def depth_class(turn: np.ndarray) -> np.ndarray:
+    """Turn 0, 1, 2-3, 4-7, 8-15, 16 and beyond: agents call other tools as a task moves on."""
+    t = np.maximum(np.asarray(turn, dtype=np.int64), 1)
+    out: np.ndarray = np.where(
+        np.asarray(turn) <= 0, 0, np.minimum(np.log2(t).astype(np.int64) + 1, DEPTH_CLASSES - 1)
+    )
     return out
 
 

@@ -194,7 +194,7 @@ class LifecycleTable:
                         if old == _TOOL or after_tool[i]:
                             learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
-                            tool_s((ts - since[i], ts))
+                            tool_s((ts - since[i], ts, k))
                 if not late:
                     after_tool[i] = 0
                     if prompt > ctx:
@@ -227,7 +227,7 @@ class LifecycleTable:
                     new = _TOOL
             elif code == _TOOL_END:
                 if not late and old == _TOOL:
-                    tool_s((ts - since[i], ts))
+                    tool_s((ts - since[i], ts, turn[i]))
                     tool_hint[i] = _NO_HINT
                     after_tool[i] = 1
                     new = _WAITING

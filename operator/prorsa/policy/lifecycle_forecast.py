@@ -15,7 +15,7 @@ from prorsa.policy.forecast import (
     RolloutMode,
     table_facts,
 )
-from prorsa.policy.learned import length_class, length_classes
+from prorsa.policy.learned import depth_class, length_class, length_classes
 from prorsa.policy.lifecycle import LifecycleTable, Rows
 from prorsa.policy.stats import LogHistogram
 
@@ -192,10 +192,6 @@ class LifecycleForecaster:
         nb = hist.bins
         rest = ~hinted
         t_bin = hist.index_array(np.maximum(w_elapsed[rest], 0.0))
-        bin_tokens = np.bincount(t_bin, (out * p_next)[rest], minlength=nb)
-        bin_ctx = np.bincount(t_bin, (w_ctx * p_next)[rest], minlength=nb)
-        bin_idle = np.bincount(t_bin, (w_ctx * p_next * idle_before)[rest], minlength=nb)
-        bin_count = np.bincount(t_bin, p_next[rest], minlength=nb)
         # the calls in flight as censored durations, weighted as of their start (as learned)
         in_tool = np.bincount(t_bin, hist.start_weights(w_elapsed[rest]), minlength=nb)
 
@@ -237,17 +233,34 @@ class LifecycleForecaster:
         # their total time on test, so a call is expected to last at least that long (one
         # pseudo-event over the exposure), not just as long again as it has lasted so far.
         tool_mean = float(w_elapsed[rest].sum()) if surv is None else 0.0
-        waiting_bins = np.flatnonzero(bin_count)
-        if waiting_bins.size:
+        # They come back with the latencies learned for the turn they precede: agents call
+        # other tools as a task moves on (a first phase's quick lookups say nothing of the
+        # next phase's test runs). A depth no call has returned at yet takes every depth's.
+        w_class = depth_class(w_depth[rest])
+        r_out, r_p, r_el = (out * p_next)[rest], p_next[rest], w_elapsed[rest]
+        r_ctx, r_idle = (w_ctx * p_next)[rest], (w_ctx * p_next * idle_before)[rest]
+        for c in np.unique(w_class).tolist():
+            sel = w_class == c
+            t_c = t_bin[sel]
+            count = np.bincount(t_c, r_p[sel], minlength=nb)
+            bins = np.flatnonzero(count)
+            if not bins.size:
+                continue
+            h_c = st.tool_by_depth[c]
+            if h_c.total > 0:
+                in_c = np.bincount(t_c, h_c.start_weights(r_el[sel]), minlength=nb)
+                h, s = h_c, h_c.with_heavy_tail(h_c.survival_table(in_c.tolist(), now))
+            else:
+                h, s = hist, surv_in_flight
             probs = _returns(
-                hist, surv_in_flight, hist.mid(waiting_bins), np.full(waiting_bins.size, f),
-                m_bins, dt, fallback_mean=tool_mean,
-            )  # fmt: skip
-            submit_count += bin_count[waiting_bins] @ probs
-            submit_tokens += bin_tokens[waiting_bins] @ probs
+                h, s, h.mid(bins), np.full(bins.size, f), m_bins, dt, fallback_mean=tool_mean
+            )
+            submit_count += count[bins] @ probs
+            submit_tokens += np.bincount(t_c, r_out[sel], minlength=nb)[bins] @ probs
             # their contexts, by how long each will have been idle when it comes back
-            ctx_w = bin_ctx[waiting_bins]
-            idle_now = hist.mid(waiting_bins) + bin_idle[waiting_bins] / np.maximum(ctx_w, 1e-9)
+            ctx_w = np.bincount(t_c, r_ctx[sel], minlength=nb)[bins]
+            idle_w = np.bincount(t_c, r_idle[sel], minlength=nb)[bins]
+            idle_now = h.mid(bins) + idle_w / np.maximum(ctx_w, 1e-9)
             back_at = idle_now[:, None] + (np.arange(m_bins) + 0.5)[None, :] * f
             submit_tokens += ctx_w @ (probs * evicted(back_at, recompute))
         replaced, burst_rate, burst_s = (

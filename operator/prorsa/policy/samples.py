@@ -14,7 +14,7 @@ from array import array
 
 import numpy as np
 
-from prorsa.policy.learned import LearnedStats, length_classes
+from prorsa.policy.learned import LearnedStats, depth_class, length_classes
 from prorsa.policy.stats import Recency
 
 DECODE_FIELDS = 4  # a decode record: (group row, output tokens, seconds, ts)
@@ -39,7 +39,7 @@ class Samples:
         self.ended = array("d")
         self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
         self.prefill_s = array("d")
-        self.tool_s = array("d")  # (seconds, ts)
+        self.tool_s = array("d")  # (seconds, ts, the turn it precedes)
         self.decodes = array("d")  # DECODE_FIELDS per record
 
     @staticmethod
@@ -103,9 +103,13 @@ class Samples:
             length_classes(stopped_level, mean_at(stopped_at)),
         )
         st.prefill_latency_s.add_all(self.records(self.prefill_s, 1)[0])
-        seconds, ts = self.records(self.tool_s, 2)
+        seconds, ts, next_turn = self.records(self.tool_s, 3)
         # weighted as of the call's start, like the calls still running (see survival_table)
         st.tool_latency.add_all(seconds, ts - seconds)
+        dc = depth_class(next_turn)
+        for c in np.unique(dc).tolist():
+            sel = dc == c
+            st.tool_by_depth[c].add_all(seconds[sel], (ts - seconds)[sel])
         _learn_decodes(st, group_n, group_log_sum, k, *decodes)
 
 
