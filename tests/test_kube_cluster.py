@@ -149,3 +149,45 @@ def test_a_worker_running_several_engines_is_drained_and_measured_across_them(
         await r0.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_restarting_switch_relabels_the_pod_under_the_drain_until_it_is_not_ready(
+    redis_url: str,
+) -> None:
+    """Restart mode: the pod is relabelled with its drain annotation kept, so no router sends
+    its old engine work of the new role, and the drain is cleared once the pod stops being
+    Ready (its agent took the engine down to restart it)."""
+
+    async def main() -> None:
+        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
+            api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
+            await _setup(k8s, api)
+            cluster = KubeCluster(api, r, KEYS)
+            stop = asyncio.Event()
+            reporter = asyncio.create_task(_report(r, stop))
+            try:
+                restart = switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1,
+                                 poll_s=0.05, engine_check=True)  # fmt: skip
+                sw = asyncio.create_task(restart)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    pod = await api.get("v1", "Pod", "team", "rl-worker-0")
+                    assert pod is not None
+                    if pod["metadata"]["labels"][L.ROLE] == "decode":
+                        break
+                    await asyncio.sleep(0.05)
+                assert pod["metadata"]["labels"][L.ROLE] == "decode"
+                assert pod["metadata"]["annotations"].get(L.DRAINING) == "true"
+                await asyncio.sleep(0.3)
+                assert not sw.done()
+                await api.patch("v1", "Pod", "team", "rl-worker-0", {"status": {
+                    "conditions": [{"type": "Ready", "status": "False"}]}})  # fmt: skip
+                assert await asyncio.wait_for(sw, 10) is SwitchOutcome.DONE
+                pod = await api.get("v1", "Pod", "team", "rl-worker-0")
+                assert pod is not None and pod["metadata"]["annotations"].get(L.DRAINING) != "true"
+            finally:
+                stop.set()
+                await reporter
+                await api.close()
+
+    asyncio.run(main())

@@ -184,3 +184,39 @@ def test_a_restarting_switch_waits_for_kv_another_worker_has_not_pulled_yet(
             assert out is SwitchOutcome.DONE
 
     asyncio.run(main())
+
+
+def test_a_restarting_switch_relabels_under_the_drain_until_the_engine_goes_down(
+    redis_url: str,
+) -> None:
+    """Restart mode: relabelled and undrained at once, the worker was ready in its new role
+    while its old engine still ran, until its agent noticed and took it down; a router sent
+    it a prefill in that window whose KV the restart then lost (seen in e2e). The switch now
+    relabels under the drain mark and clears it once the worker stops being ready."""
+
+    async def main() -> None:
+        async with Redis.from_url(redis_url) as r:
+            cluster = LocalCluster(r, KEYS)
+            await cluster.registry.register("w0", "http://127.0.0.1:9", Role.DECODE)
+            await cluster.registry.set_ready("w0", True)  # the old engine answers
+            async with reporting(r, "w0", 0, 0):
+                sw = asyncio.create_task(switch(cluster, "w0", Role.PREFILL, settle_s=0.1,
+                                                poll_s=0.05, engine_check=True))  # fmt: skip
+                await asyncio.sleep(0.8)
+                [w] = await cluster.workers()
+                assert w.role is Role.PREFILL and w.draining and w.ready  # no router uses it
+                assert not sw.done()
+                await cluster.registry.set_ready("w0", False)  # the agent restarts the engine
+                assert await asyncio.wait_for(sw, 5) is SwitchOutcome.DONE
+            [w] = await cluster.workers()
+            assert w.role is Role.PREFILL and not w.draining and not w.ready
+            # an agent that never restarts (no new arguments): the drain clears after a while
+            await cluster.registry.set_ready("w0", True)
+            async with reporting(r, "w0", 0, 0):
+                out = await switch(cluster, "w0", Role.DECODE, settle_s=0.1, poll_s=0.05,
+                                   engine_check=True, restart_notice_s=0.5)  # fmt: skip
+            assert out is SwitchOutcome.DONE
+            [w] = await cluster.workers()
+            assert w.role is Role.DECODE and not w.draining
+
+    asyncio.run(main())

@@ -42,8 +42,9 @@ class Cluster(Protocol):
 
     async def mark_draining(self, name: str, target: Role) -> None: ...
 
-    async def set_role(self, name: str, role: Role) -> None:
-        """Relabel to `role` and clear the drain marks, in one step."""
+    async def set_role(self, name: str, role: Role, keep_draining: bool = False) -> None:
+        """Relabel to `role` and clear the drain marks, in one step (`keep_draining`: relabel
+        only, the worker still taking no work)."""
         ...
 
     async def cancel_drain(self, name: str) -> None:

@@ -55,13 +55,20 @@ async def switch(
     settle_s: float = 1.0,
     poll_s: float = 0.2,
     engine_check: bool = False,
+    restart_notice_s: float = 90.0,
 ) -> SwitchOutcome:
     """`engine_check` (switch mode `restart`, where a draining worker gets no new work at all
     and its engine is about to restart): wait until nothing at all is in flight on the worker,
     not only work of its old role — a decode worker that prefilled a turn for another (load
     shedding) holds that KV until the other has pulled it, and a restart would lose it — and
     until the engine's own metrics agree. In `routing` mode the engine keeps running, and it
-    may already run work of its new role that no report has counted yet."""
+    may already run work of its new role that no report has counted yet.
+
+    In `restart` mode the worker is relabelled under the drain mark, which is cleared once it
+    stops being ready (its agent took the engine down to restart it), or after
+    `restart_notice_s`: until then its old engine still answers, and a router that saw it
+    ready in its new role would send it work the restart loses (a prefill whose KV the
+    decode worker then failed to pull, seen in e2e)."""
     w = await _status(cluster, name, poll_s)
     if w is None or (w.role is target and not w.draining):
         return SwitchOutcome.SKIPPED
@@ -85,6 +92,15 @@ async def switch(
         w = await _status(cluster, name, poll_s)
         if w is None:
             return SwitchOutcome.SKIPPED
+    old = w.role
+    if engine_check:
+        await cluster.set_role(name, target, keep_draining=True)
+        noticed = time.monotonic() + restart_notice_s
+        while w is not None and w.ready and time.monotonic() < noticed:
+            await asyncio.sleep(poll_s)
+            w = await _status(cluster, name, poll_s)
+        if w is None:
+            return SwitchOutcome.SKIPPED
     await cluster.set_role(name, target)
-    log.info("switch %s %s->%s done", name, w.role.value, target.value)
+    log.info("switch %s %s->%s done", name, old.value, target.value)
     return SwitchOutcome.DONE

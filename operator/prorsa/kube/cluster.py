@@ -100,7 +100,11 @@ class KubeCluster:
         except (ApiError, OSError) as e:
             raise ClusterUnavailable(f"Kubernetes API: {e}") from e
 
-    async def set_role(self, name: str, role: Role) -> None:
+    async def set_role(self, name: str, role: Role, keep_draining: bool = False) -> None:
+        if keep_draining:
+            await self._patch(name, {"metadata": {"labels": {L.ROLE: role.value}}},
+                              record_group=True)  # fmt: skip
+            return
         await self._patch(name, {"metadata": {
             "labels": {L.ROLE: role.value},
             "annotations": {L.DRAINING: None, L.TARGET_ROLE: None}}},

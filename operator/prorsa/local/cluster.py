@@ -45,9 +45,9 @@ class LocalCluster:
         async with _redis():
             await self.registry.mark_draining(name, target)
 
-    async def set_role(self, name: str, role: Role) -> None:
+    async def set_role(self, name: str, role: Role, keep_draining: bool = False) -> None:
         async with _redis():
-            await self.registry.set_role(name, role)
+            await self.registry.set_role(name, role, keep_draining)
 
     async def cancel_drain(self, name: str) -> None:
         async with _redis():

@@ -84,8 +84,11 @@ class Registry:
             self.keys.worker(name), mapping={"draining": "1", "target_role": target.value}
         )
 
-    async def set_role(self, name: str, role: Role) -> None:
-        """Relabel and undrain in one step (the end of a switch)."""
+    async def set_role(self, name: str, role: Role, keep_draining: bool = False) -> None:
+        """Relabel and undrain in one step (the end of a switch); or relabel only."""
+        if keep_draining:
+            await self.redis.hset(self.keys.worker(name), "role", role.value)
+            return
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.worker(name), mapping={"role": role.value, "draining": "0"})
         pipe.hdel(self.keys.worker(name), "target_role")
