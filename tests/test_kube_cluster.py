@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from kmock import KubernetesEmulator, Server
 from redis.asyncio import Redis
@@ -50,38 +52,44 @@ async def _report(r: Redis, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.05)
 
 
+@asynccontextmanager
+async def _two_pods(redis_url: str) -> AsyncIterator[tuple[KubeApi, KubeCluster, Redis]]:
+    """A prefill and a decode worker pod, Ready, whose routers report nothing in flight."""
+    async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
+        api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
+        await _setup(k8s, api)
+        stop = asyncio.Event()
+        reporter = asyncio.create_task(_report(r, stop))
+        try:
+            yield api, KubeCluster(api, r, KEYS), r
+        finally:
+            stop.set()
+            await reporter
+            await api.close()
+
+
 def test_switch_relabels_a_pod_and_a_new_controller_finishes_a_half_done_one(
     redis_url: str,
 ) -> None:
     async def main() -> None:
-        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
-            api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
-            await _setup(k8s, api)
-            cluster = KubeCluster(api, r, KEYS)
-            stop = asyncio.Event()
-            reporter = asyncio.create_task(_report(r, stop))
-            try:
-                workers = {w.name: w for w in await cluster.workers()}
-                assert workers["rl-worker-0"].role is Role.PREFILL and workers["rl-worker-0"].ready
-                out = await switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1, poll_s=0.05)
-                assert out is SwitchOutcome.DONE
-                pod = await api.get("v1", "Pod", "team", "rl-worker-0")
-                assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "decode"
-                assert pod["metadata"]["annotations"].get(L.DRAINING) != "true"
+        async with _two_pods(redis_url) as (api, cluster, r):
+            workers = {w.name: w for w in await cluster.workers()}
+            assert workers["rl-worker-0"].role is Role.PREFILL and workers["rl-worker-0"].ready
+            out = await switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1, poll_s=0.05)
+            assert out is SwitchOutcome.DONE
+            pod = await api.get("v1", "Pod", "team", "rl-worker-0")
+            assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "decode"
+            assert pod["metadata"]["annotations"].get(L.DRAINING) != "true"
 
-                await cluster.mark_draining("rl-worker-1", Role.PREFILL)  # then the operator died
-                settings = AllocationSettings(policy="colocated")
-                ctl = Controller(cluster, EventReader(r, KEYS.events), ControllerConfig(
-                    settings, RoleCapacity(1e4, 0.01, 0.0, 0.0, 1e6), settle_s=0.1))  # fmt: skip
-                assert await ctl.recover() == 1
-                await ctl.wait_switches()
-                pod = await api.get("v1", "Pod", "team", "rl-worker-1")
-                assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "prefill"
-                assert not any(w.draining for w in await cluster.workers())
-            finally:
-                stop.set()
-                await reporter
-                await api.close()
+            await cluster.mark_draining("rl-worker-1", Role.PREFILL)  # then the operator died
+            settings = AllocationSettings(policy="colocated")
+            ctl = Controller(cluster, EventReader(r, KEYS.events), ControllerConfig(
+                settings, RoleCapacity(1e4, 0.01, 0.0, 0.0, 1e6), settle_s=0.1))  # fmt: skip
+            assert await ctl.recover() == 1
+            await ctl.wait_switches()
+            pod = await api.get("v1", "Pod", "team", "rl-worker-1")
+            assert pod is not None and pod["metadata"]["labels"][L.ROLE] == "prefill"
+            assert not any(w.draining for w in await cluster.workers())
 
     asyncio.run(main())
 
@@ -159,35 +167,25 @@ def test_a_restarting_switch_relabels_the_pod_under_the_drain_until_it_is_not_re
     Ready (its agent took the engine down to restart it)."""
 
     async def main() -> None:
-        async with KubernetesEmulator() as k8s, Server(k8s), Redis.from_url(redis_url) as r:
-            api = KubeApi(str(k8s.url).rstrip("/"), ssl_context=False)
-            await _setup(k8s, api)
-            cluster = KubeCluster(api, r, KEYS)
-            stop = asyncio.Event()
-            reporter = asyncio.create_task(_report(r, stop))
-            try:
-                restart = switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1,
-                                 poll_s=0.05, engine_check=True)  # fmt: skip
-                sw = asyncio.create_task(restart)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    pod = await api.get("v1", "Pod", "team", "rl-worker-0")
-                    assert pod is not None
-                    if pod["metadata"]["labels"][L.ROLE] == "decode":
-                        break
-                    await asyncio.sleep(0.05)
-                assert pod["metadata"]["labels"][L.ROLE] == "decode"
-                assert pod["metadata"]["annotations"].get(L.DRAINING) == "true"
-                await asyncio.sleep(0.3)
-                assert not sw.done()
-                await api.patch("v1", "Pod", "team", "rl-worker-0", {"status": {
-                    "conditions": [{"type": "Ready", "status": "False"}]}})  # fmt: skip
-                assert await asyncio.wait_for(sw, 10) is SwitchOutcome.DONE
+        async with _two_pods(redis_url) as (api, cluster, _):
+            restart = switch(cluster, "rl-worker-0", Role.DECODE, settle_s=0.1,
+                             poll_s=0.05, engine_check=True)  # fmt: skip
+            sw = asyncio.create_task(restart)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
                 pod = await api.get("v1", "Pod", "team", "rl-worker-0")
-                assert pod is not None and pod["metadata"]["annotations"].get(L.DRAINING) != "true"
-            finally:
-                stop.set()
-                await reporter
-                await api.close()
+                assert pod is not None
+                if pod["metadata"]["labels"][L.ROLE] == "decode":
+                    break
+                await asyncio.sleep(0.05)
+            assert pod["metadata"]["labels"][L.ROLE] == "decode"
+            assert pod["metadata"]["annotations"].get(L.DRAINING) == "true"
+            await asyncio.sleep(0.3)
+            assert not sw.done()
+            await api.patch("v1", "Pod", "team", "rl-worker-0", {"status": {
+                "conditions": [{"type": "Ready", "status": "False"}]}})  # fmt: skip
+            assert await asyncio.wait_for(sw, 10) is SwitchOutcome.DONE
+            pod = await api.get("v1", "Pod", "team", "rl-worker-0")
+            assert pod is not None and pod["metadata"]["annotations"].get(L.DRAINING) != "true"
 
     asyncio.run(main())
