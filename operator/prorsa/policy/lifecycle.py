@@ -184,8 +184,8 @@ class LifecycleTable:
                     # What the turn appended (the tool's output) vs what its prefill computes:
                     # the excess is context the serving worker had evicted, recomputed.
                     grew = max(prompt - ctx, 0)
-                    away = ts - idle_since[i] if old in _BETWEEN_TURNS else -1.0
-                    appended((k, grew, demand, ctx, away, ts))
+                    used = idle_since[i] if old in _BETWEEN_TURNS else -1.0
+                    appended((k, grew, demand, ctx, used, ts))
                     # recency-weighted: an agent's observations change size as its task moves on
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)

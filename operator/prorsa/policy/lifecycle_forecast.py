@@ -221,7 +221,6 @@ class LifecycleForecaster:
         pop_n = float(w_dec.sum()) + float(w_depth.size)
         pop_cont = float((p_decoding * w_dec).sum() + p_after.sum())  # after a decode
         chain_out = float((out_by_turn[d_depth] * w_dec).sum() + out_by_turn[w_depth].sum())
-        ctx_n = pop_n
         ctx_sum = float((d_ctx * w_dec).sum() + w_ctx.sum())
         surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
         # The calls in flight that outlasted every call that ended: Kaplan-Meier is flat past
@@ -278,9 +277,9 @@ class LifecycleForecaster:
         p_cont = pop_cont / pop_n if pop_n else st.p_continue
         # A returning trajectory's prefill: its tool output plus the evicted share of its context.
         # (the evicted share by the fine bins it is away: its decode ended, its tool began)
-        chain_tokens = (chain_out / ctx_n if ctx_n else mean_tool_out) + evicted(
+        chain_tokens = (chain_out / pop_n if pop_n else mean_tool_out) + evicted(
             (np.arange(m_bins) + 0.5) * f, recompute
-        ) * (ctx_sum / ctx_n if ctx_n else 0.0)
+        ) * (ctx_sum / pop_n if pop_n else 0.0)
         lag = int(prefill_lag / f)
         # Those prefilling now decode once their prefill latency has passed (first come,
         # first served: the longest waiting first), as new submissions do after `lag`.
@@ -326,7 +325,7 @@ class LifecycleForecaster:
         # return its tool output; ended trajectories leave and (async) fresh ones start small.
         # The decoding sequences' KV follows the live population's mean context.
         out_tokens = st.decode_tokens.get(math.exp(mu_all))
-        tool_tokens = chain_out / ctx_n if ctx_n else mean_tool_out
+        tool_tokens = chain_out / pop_n if pop_n else mean_tool_out
         pop_live = float(rows.state.size)
         pop_ctx = float(rows.context.sum())
         mean_ctx0 = pop_ctx / pop_live if pop_live else 0.0

@@ -31,7 +31,8 @@ class Samples:
         self.remote = array("d")  # (demand tokens, 1 if pool-worthy)
         self.pool = array("d")  # pool-worthy turns: (demand tokens, tokens a pool computes)
         self.first_prompts = array("d")  # (prompt tokens, demand tokens)
-        # (turn, tokens appended, uncached, context before, seconds away (-1: unknown), ts)
+        # (turn, tokens appended, uncached, context before, when it was last used (-1:
+        # unknown), ts)
         self.appended = array("d")
         # (turn another turn followed / the trajectory ended after, its answer-length level,
         # decodes recorded before it in this batch)
@@ -68,15 +69,15 @@ class Samples:
         prompts, demands = self.records(self.first_prompts, 2)
         st.first_prompt_tokens.add_all(prompts)
         st.first_prompt_demand.add_all(demands)
-        turn, grew, uncached, ctx, away, ts = self.records(self.appended, 6)
+        turn, grew, uncached, ctx, used, ts = self.records(self.appended, 6)
         st.tool_output_tokens.add_all(grew)
         has_ctx = ctx > 0
         recomputed = np.minimum(np.maximum(uncached - grew, 0.0), ctx)
         st.recompute_share.add_all(recomputed[has_ctx] / ctx[has_ctx])
-        timed = has_ctx & (away >= 0)
+        timed = has_ctx & (used >= 0)
         if timed.any() and recency is not None:
             # the tokens used since it was last used (its own use now among them: less its size)
-            since = recency.tokens_after((ts - away)[timed]) - (ctx + grew)[timed]
+            since = recency.tokens_after(used[timed]) - (ctx + grew)[timed]
             st.recompute_by_tokens_since.add_all(
                 np.maximum(since, 0.0), recomputed[timed], ctx[timed], float(ts[timed].max())
             )
