@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from prorsa.local.redis_server import RedisServer
 from prorsa.policy.events import Event, EventType
+from prorsa.policy.lifecycle import LifecycleTable
 
 
 def turn(
@@ -29,6 +31,25 @@ def turn(
             seconds=decode_s,
         ),
     ]
+
+
+def fill_windows(tab: LifecycleTable, n: int, window: int = 32768, seed: int = 3) -> None:
+    """`n` finished trajectories of up to 12 turns whose observations are 1K or 9K tokens at
+    random: each stops once the next would overflow its `window`-token context, so how
+    deep it gets depends on the observations it drew, not on a depth."""
+    rng = random.Random(seed)
+    for i in range(n):
+        tid, t, ctx, new = f"w{i}", 0.0, 500, 500
+        tab.apply(Event(EventType.TRAJ_START, tid, t))
+        for _ in range(12):
+            tab.ingest(turn(tid, t, ctx, new, 100))
+            ctx += 100
+            new = rng.choice((1000, 9000))
+            if ctx + 100 + new > window:
+                break
+            ctx += new
+            t += 2.0
+        tab.apply(Event(EventType.TRAJ_END, tid, t + 1.5))
 
 
 # ---- a real Redis server for the adapter tests --------------------------------------------

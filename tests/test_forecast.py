@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import turn
+from conftest import fill_windows, turn
 from prorsa.policy.calibrate import LeadCalibration
 from prorsa.policy.events import Event, EventType
 from prorsa.policy.forecast import Forecast, ForecastScorer, Horizon
@@ -544,3 +544,24 @@ def test_calls_in_flight_return_with_the_latencies_of_the_turn_they_precede() ->
     per_step = [x * H.step_s for x in fc.prefill_tokens_per_s]
     assert per_step[0] < 0.1 * 40 * 190
     assert sum(per_step[6:9]) > 0.5 * 40 * 190
+
+
+def test_trajectories_whose_context_window_is_full_are_expected_to_stop() -> None:
+    """Learned: trajectories stop when their next observation would overflow a 32K window.
+    Forty have just answered their first turn with 31K tokens of context, forty others with
+    2K: by turn depth both go on, but the first forty are near their window. Without the
+    window both forecast the same returning turns."""
+    total = {}
+    for ctx in (2000, 31000):
+        tab = LifecycleTable()
+        fill_windows(tab, 400)
+        now = 100.0
+        for i in range(40):
+            tid = f"live{i}"
+            tab.ingest(
+                [Event(EventType.TRAJ_START, tid, now - 2.0), *turn(tid, now - 2.0, ctx, ctx, 100)]
+            )
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+        total[ctx] = sum(f.forecast(tab, now, H).prefill_tokens_per_s)
+    assert total[2000] > 0
+    assert total[31000] < 0.75 * total[2000]

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from conftest import turn
+from conftest import fill_windows, turn
 from prorsa.policy.events import Event, EventType, State
-from prorsa.policy.learned import depth_class, turn_bin
+from prorsa.policy.learned import context_bins, depth_class, turn_bin
 from prorsa.policy.lifecycle import LifecycleTable
 
 
@@ -232,6 +232,9 @@ def test_a_batch_teaches_what_the_same_events_one_by_one_teach() -> None:
     assert a.continue_by_class.sum() > 0 and a.stop_by_class.sum() > 0
     assert (a.continue_by_class == b.continue_by_class).all()
     assert (a.stop_by_class == b.stop_by_class).all()
+    assert a.window_continue.sum() > 0 and a.window_stop.sum() > 0
+    assert (a.window_continue == b.window_continue).all()
+    assert (a.window_stop == b.window_stop).all()
     for g in ("g0", "g7", "g39", "unseen"):
         assert whole.group_log_mean(g) == pytest.approx(single.group_log_mean(g))
 
@@ -322,3 +325,18 @@ def test_continuation_is_learned_per_answer_length_class() -> None:
     assert 0.3 < by_turn < 0.7
     assert short > 0.9 and long_after < 0.1
     assert st.p_continue_after(np.array([2]), np.array([-1]))[0] == by_turn  # no answer yet
+
+
+def test_continuation_falls_as_the_context_window_fills() -> None:
+    """Trajectories stop when their next observation would overflow a 32K window: by turn
+    depth alone they stop anywhere from turn 4 to 8; by the context they hold, those near
+    the window stop more often than their depth says, those far from it no less."""
+    tab = LifecycleTable()
+    fill_windows(tab, 400)
+    st = tab.stats
+    by_turn = st.p_continue_after(np.array([6, 8]))  # where most stop
+    assert (by_turn > 0.3).all() and (by_turn < 0.85).all()
+    small, mid, near = st.window_factor(np.array([2000.0, 20000.0, 31000.0]))
+    assert small == mid == 1.0  # as often as their depth says
+    assert near < 0.7  # (a bin of 27-32K: below 31.6K a 1K observation still fits)
+    assert context_bins(np.array([500, 1024, 1300, 31000, 33000])).tolist() == [0, 1, 2, 20, 21]

@@ -53,6 +53,12 @@ class LearnedStats:
     # phase of a task whose answers are long (or short) may be the one that ends it.
     continue_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
     stop_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
+    # ... and by the context the trajectory held then (`context_bins`) and its turn depth:
+    # what `window_factor` compares with the turn-depth model.
+    window_continue: np.ndarray = field(
+        default_factory=lambda: np.zeros((_CONTEXT_BINS, _TURN_BINS))
+    )
+    window_stop: np.ndarray = field(default_factory=lambda: np.zeros((_CONTEXT_BINS, _TURN_BINS)))
     # Tool output size per turn depth: agents plan with short observations, then act with long.
     tool_out_sum_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     tool_out_n_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
@@ -102,16 +108,29 @@ class LearnedStats:
         """P(another turn follows turn k) for each k, shrunk toward the overall rate; with
         `classes` (each trajectory's answer-length class, -1: none yet), per class, shrunk
         toward that."""
-        c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
-        prior = 4.0
-        by_bin: np.ndarray = (c + prior * self.p_continue) / (c + s + prior)
         bins = turn_bins(turns)
-        out: np.ndarray = np.take(by_bin, bins)
+        out: np.ndarray = np.take(self._p_continue_by_turn_bin(), bins)
         if classes is not None:
             known = classes >= 0
             k, b = classes[known], bins[known]
             cc, sc = self.continue_by_class[k, b], self.stop_by_class[k, b]
-            out[known] = (cc + prior * out[known]) / (cc + sc + prior)
+            out[known] = (cc + _CONTINUE_PRIOR * out[known]) / (cc + sc + _CONTINUE_PRIOR)
+        return out
+
+    def _p_continue_by_turn_bin(self) -> np.ndarray:
+        c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
+        out: np.ndarray = (c + _CONTINUE_PRIOR * self.p_continue) / (c + s + _CONTINUE_PRIOR)
+        return out
+
+    def window_factor(self, context: np.ndarray) -> np.ndarray:
+        """How much less likely than its turn depth says a trajectory with this much context
+        is to go on (at most 1): per context bin, the turns that went on against those the
+        turn-depth model expects of the same turns. Agents stop as their context window
+        fills, a limit no turn depth shows (big observations fill it in a few turns)."""
+        c, s = self.window_continue, self.window_stop
+        expected = (c + s) @ self._p_continue_by_turn_bin()
+        ratio = (c.sum(axis=1) + WINDOW_PRIOR) / (expected + WINDOW_PRIOR)
+        out: np.ndarray = np.minimum(1.0, ratio)[context_bins(context)]
         return out
 
     def mean_tool_output(self) -> float:
@@ -133,10 +152,17 @@ class LearnedStats:
     def learn_continuations(
         self, continued_after: np.ndarray, ended_after: np.ndarray, after_tool: np.ndarray,
         continued_class: np.ndarray | None = None, ended_class: np.ndarray | None = None,
+        continued_context: np.ndarray | None = None, ended_context: np.ndarray | None = None,
     ) -> None:  # fmt: skip
         """Turns another turn followed, turns the trajectory ended after, and for the gaps
         with a reported tool call, whether a turn followed (1) or the trajectory ended (0);
-        the answer-length class of each trajectory then (-1: none)."""
+        the answer-length class of each trajectory then (-1: none) and its context."""
+        for turns, context, table in (
+            (continued_after, continued_context, self.window_continue),
+            (ended_after, ended_context, self.window_stop),
+        ):
+            if context is not None and turns.size:
+                np.add.at(table, (context_bins(context), turn_bins(turns)), 1.0)
         for turns, classes, table in (
             (continued_after, continued_class, self.continue_by_class),
             (ended_after, ended_class, self.stop_by_class),
@@ -172,6 +198,7 @@ class LearnedStats:
 
 
 _TURN_BINS = 16
+_CONTINUE_PRIOR = 4.0  # turns: a depth's (or class's) own rate outweighs the overall after a few
 
 
 def length_class(factor: np.ndarray) -> np.ndarray:
@@ -200,6 +227,18 @@ def length_classes(log_levels: np.ndarray, log_mean: np.ndarray | float) -> np.n
     known = ~np.isnan(diff)
     out = np.full(log_levels.shape, -1, dtype=np.int64)
     out[known] = length_class(np.exp(diff[known]))
+    return out
+
+
+_CONTEXT_BINS = 48
+WINDOW_PRIOR = 4.0  # expected continuations: a bin's own evidence outweighs it after a few
+
+
+def context_bins(tokens: np.ndarray) -> np.ndarray:
+    """Context tokens in quarter octaves from 1K (bin 0: below 1K), capped at 4M: fine
+    enough that one bin sits below a context window and the next at it."""
+    quarter = np.floor(4.0 * np.log2(np.maximum(np.asarray(tokens, np.float64), 1.0) / 1024.0))
+    out: np.ndarray = np.clip(quarter + 1, 0, _CONTEXT_BINS - 1).astype(np.int64)
     return out
 
 

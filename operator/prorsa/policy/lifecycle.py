@@ -190,7 +190,7 @@ class LifecycleTable:
                     est = tool_out_est[i]
                     tool_out_est[i] = float(grew) if est < 0 else est + 0.4 * (grew - est)
                     if old in _BETWEEN_TURNS:
-                        continued((k, out_log_est[i], len(learn.decodes) // DECODE_FIELDS))
+                        continued((k, out_log_est[i], len(learn.decodes) // DECODE_FIELDS, ctx))
                         if old == _TOOL or after_tool[i]:
                             learn.tool_gaps.append(1.0)
                         if old == _WAITING and not after_tool[i]:  # an inferred tool gap
@@ -236,7 +236,7 @@ class LifecycleTable:
             else:
                 if old in _BETWEEN_TURNS:
                     decoded = len(learn.decodes) // DECODE_FIELDS
-                    learn.ended.extend((turn[i], out_log_est[i], decoded))
+                    learn.ended.extend((turn[i], out_log_est[i], decoded, context[i]))
                     if old == _TOOL or after_tool[i]:
                         learn.tool_gaps.append(0.0)
                 self._end(i)

@@ -71,7 +71,9 @@ class LifecycleForecaster:
       distribution (Kaplan-Meier, the running decodes censored), stretched by its GRPO
       group's length factor and conditioned on having lasted `e`; it goes on with the
       continuation learned for its turn depth and the length class of its own recent
-      answers (a task's phase of long answers may be the last one).
+      answers (a task's phase of long answers may be the last one), lowered as its context
+      nears the window agents stop at (`LearnedStats.window_factor`; so for those between
+      turns).
     - Then the cycle repeats inside the horizon: prefills enter decode after the observed
       prefill latency, stay for a duration drawn from the same distribution (continued
       memorylessly past the longest that ended) mixed over the live trajectories' groups'
@@ -165,9 +167,10 @@ class LifecycleForecaster:
         own = rows.tool_out_est[between]
         w_ctx = rows.context[between].astype(np.float64)
         # after a reported tool call the trajectory has chosen to go on; otherwise it may end
-        # continuation by turn depth and by the class of the trajectory's recent answers
+        # continuation by turn depth and by the class of the trajectory's recent answers,
+        # lowered near the context window agents stop at
         own_class = length_classes(rows.out_log_est, mu_all if has_len else math.nan)
-        p_after = st.p_continue_after(w_depth, own_class[between])
+        p_after = st.p_continue_after(w_depth, own_class[between]) * st.window_factor(w_ctx)
         p_next = np.where(rows.tool_seen[between], st.p_continue_after_tool, p_after)
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
         hint = rows.tool_hint[between]
@@ -217,7 +220,11 @@ class LifecycleForecaster:
             p_cell = np.zeros(3 * nd)
             p_cell[cells] = probs.sum(axis=1)
             w_dec = p_cell[gb * nd + d_bin]
-        p_decoding = st.p_continue_after(d_depth, own_class[decoding_now])
+        # (its context once this answer is in: the window it may fill)
+        after_answer = d_ctx + np.exp(log_len[decoding_now])
+        p_decoding = st.p_continue_after(d_depth, own_class[decoding_now]) * st.window_factor(
+            after_answer
+        )
         pop_n = float(w_dec.sum()) + float(w_depth.size)
         pop_cont = float((p_decoding * w_dec).sum() + p_after.sum())  # after a decode
         chain_out = float((out_by_turn[d_depth] * w_dec).sum() + out_by_turn[w_depth].sum())

@@ -35,7 +35,7 @@ class Samples:
         # unknown), ts)
         self.appended = array("d")
         # (turn another turn followed / the trajectory ended after, its answer-length level,
-        # decodes recorded before it in this batch)
+        # decodes recorded before it in this batch, its context then)
         self.continued = array("d")
         self.ended = array("d")
         self.tool_gaps = array("d")  # gaps with a reported tool call: 1 a turn followed, 0 ended
@@ -83,8 +83,8 @@ class Samples:
             )
         st.learn_appended(turn.astype(np.int64) + 1, grew)
         decodes = self.records(self.decodes, DECODE_FIELDS)
-        went_on, went_on_level, went_on_at = self.records(self.continued, 3)
-        stopped, stopped_level, stopped_at = self.records(self.ended, 3)
+        went_on, went_on_level, went_on_at, went_on_ctx = self.records(self.continued, 4)
+        stopped, stopped_level, stopped_at, stopped_ctx = self.records(self.ended, 4)
         # the answer-length classes as of each event: the overall mean after the decodes
         # before it (one by one or in a batch, the same)
         n0, mean0 = st.output_len.n, st.output_len.mean
@@ -102,6 +102,8 @@ class Samples:
             self.records(self.tool_gaps, 1)[0],
             length_classes(went_on_level, mean_at(went_on_at)),
             length_classes(stopped_level, mean_at(stopped_at)),
+            went_on_ctx,
+            stopped_ctx,
         )
         st.prefill_latency_s.add_all(self.records(self.prefill_s, 1)[0])
         seconds, ts, next_turn = self.records(self.tool_s, 3)
