@@ -46,19 +46,18 @@ class LearnedStats:
     # ended; the prior (0.95, worth two calls) says the result almost always goes back.
     tool_continue_count: float = 1.9
     tool_stop_count: float = 0.1
-    # The same, per turn index (log-spaced bins): agents stop more often at some depths.
-    continue_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
-    stop_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
-    # ... and by the length class of the trajectory's recent answers (`length_classes`): the
-    # phase of a task whose answers are long (or short) may be the one that ends it.
-    continue_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
-    stop_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
-    # ... and by the context the trajectory held then (`context_bins`) and its turn depth:
-    # what `window_factor` compares with the turn-depth model.
+    # Turns followed by another or not, by the context the trajectory held then
+    # (`context_bins`) and the turn index (log-spaced bins): agents stop more often at some
+    # depths (`continue_by_turn`, these summed over context) and as their context window
+    # fills (`window_factor`).
     window_continue: np.ndarray = field(
         default_factory=lambda: np.zeros((_CONTEXT_BINS, _TURN_BINS))
     )
     window_stop: np.ndarray = field(default_factory=lambda: np.zeros((_CONTEXT_BINS, _TURN_BINS)))
+    # ... and by the length class of the trajectory's recent answers (`length_classes`): the
+    # phase of a task whose answers are long (or short) may be the one that ends it.
+    continue_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
+    stop_by_class: np.ndarray = field(default_factory=lambda: np.zeros((3, _TURN_BINS)))
     # Tool output size per turn depth: agents plan with short observations, then act with long.
     tool_out_sum_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
     tool_out_n_by_turn: list[float] = field(default_factory=lambda: [0.0] * _TURN_BINS)
@@ -117,8 +116,16 @@ class LearnedStats:
             out[known] = (cc + _CONTINUE_PRIOR * out[known]) / (cc + sc + _CONTINUE_PRIOR)
         return out
 
+    @property
+    def continue_by_turn(self) -> list[float]:
+        return [float(x) for x in self.window_continue.sum(axis=0)]
+
+    @property
+    def stop_by_turn(self) -> list[float]:
+        return [float(x) for x in self.window_stop.sum(axis=0)]
+
     def _p_continue_by_turn_bin(self) -> np.ndarray:
-        c, s = np.array(self.continue_by_turn), np.array(self.stop_by_turn)
+        c, s = self.window_continue.sum(axis=0), self.window_stop.sum(axis=0)
         out: np.ndarray = (c + _CONTINUE_PRIOR * self.p_continue) / (c + s + _CONTINUE_PRIOR)
         return out
 
@@ -151,37 +158,28 @@ class LearnedStats:
 
     def learn_continuations(
         self, continued_after: np.ndarray, ended_after: np.ndarray, after_tool: np.ndarray,
-        continued_class: np.ndarray | None = None, ended_class: np.ndarray | None = None,
-        continued_context: np.ndarray | None = None, ended_context: np.ndarray | None = None,
+        continued_class: np.ndarray, ended_class: np.ndarray,
+        continued_context: np.ndarray, ended_context: np.ndarray,
     ) -> None:  # fmt: skip
         """Turns another turn followed, turns the trajectory ended after, and for the gaps
         with a reported tool call, whether a turn followed (1) or the trajectory ended (0);
         the answer-length class of each trajectory then (-1: none) and its context."""
-        for turns, context, table in (
-            (continued_after, continued_context, self.window_continue),
-            (ended_after, ended_context, self.window_stop),
-        ):
-            if context is not None and turns.size:
-                np.add.at(table, (context_bins(context), turn_bins(turns)), 1.0)
-        for turns, classes, table in (
-            (continued_after, continued_class, self.continue_by_class),
-            (ended_after, ended_class, self.stop_by_class),
-        ):
-            if classes is not None and turns.size:
-                known = classes >= 0
-                np.add.at(table, (classes[known], turn_bins(turns[known])), 1.0)
+        for turns, classes, context, by_class, by_context, total in (
+            (continued_after, continued_class, continued_context, self.continue_by_class,
+             self.window_continue, "continue_count"),
+            (ended_after, ended_class, ended_context, self.stop_by_class, self.window_stop,
+             "stop_count"),
+        ):  # fmt: skip
+            if not turns.size:
+                continue
+            setattr(self, total, getattr(self, total) + turns.size)
+            bins = turn_bins(turns)
+            np.add.at(by_context, (context_bins(context), bins), 1.0)
+            known = classes >= 0
+            np.add.at(by_class, (classes[known], bins[known]), 1.0)
         went_on = float(np.count_nonzero(after_tool))
         self.tool_continue_count += went_on
         self.tool_stop_count += float(after_tool.size) - went_on
-        for turns, total, by_turn in (
-            (continued_after, "continue_count", self.continue_by_turn),
-            (ended_after, "stop_count", self.stop_by_turn),
-        ):
-            if turns.size:
-                setattr(self, total, getattr(self, total) + turns.size)
-                counts = np.bincount(turn_bins(turns), minlength=_TURN_BINS)
-                for b in np.flatnonzero(counts).tolist():
-                    by_turn[b] += float(counts[b])
 
     def learn_appended(self, turns: np.ndarray, tokens: np.ndarray) -> None:
         """Tokens appended before each of `turns`, in order: decayed sums per turn depth."""
@@ -235,8 +233,8 @@ WINDOW_PRIOR = 4.0  # expected continuations: a bin's own evidence outweighs it 
 
 
 def context_bins(tokens: np.ndarray) -> np.ndarray:
-    """Context tokens in quarter octaves from 1K (bin 0: below 1K), capped at 4M: fine
-    enough that one bin sits below a context window and the next at it."""
+    """Context tokens in quarter octaves from 1K (bin 0: below 1K; the last from 3M on):
+    fine enough that one bin sits below a context window and the next at it."""
     quarter = np.floor(4.0 * np.log2(np.maximum(np.asarray(tokens, np.float64), 1.0) / 1024.0))
     out: np.ndarray = np.clip(quarter + 1, 0, _CONTEXT_BINS - 1).astype(np.int64)
     return out

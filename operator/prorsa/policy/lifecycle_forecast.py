@@ -66,14 +66,14 @@ class LifecycleForecaster:
 
     - In a tool call (or between turns) for `e` seconds: its next prefill arrives with the
       learned tool-latency distribution conditioned on having lasted `e`, times the
-      probability that another turn follows; its size is the trajectory's mean tool output.
+      probability that another turn follows (lowered as its context nears the window agents
+      stop at, `LearnedStats.window_factor`); its size is the trajectory's mean tool output.
     - Decoding for `e` seconds: it leaves decode with the learned decode-duration
       distribution (Kaplan-Meier, the running decodes censored), stretched by its GRPO
       group's length factor and conditioned on having lasted `e`; it goes on with the
       continuation learned for its turn depth and the length class of its own recent
       answers (a task's phase of long answers may be the last one), lowered as its context
-      nears the window agents stop at (`LearnedStats.window_factor`; so for those between
-      turns).
+      with this answer nears the window.
     - Then the cycle repeats inside the horizon: prefills enter decode after the observed
       prefill latency, stay for a duration drawn from the same distribution (continued
       memorylessly past the longest that ended) mixed over the live trajectories' groups'
