@@ -565,3 +565,24 @@ def test_trajectories_whose_context_window_is_full_are_expected_to_stop() -> Non
         total[ctx] = sum(f.forecast(tab, now, H).prefill_tokens_per_s)
     assert total[2000] > 0
     assert total[31000] < 0.75 * total[2000]
+
+
+def test_the_chain_stops_as_its_contexts_grow_into_the_window() -> None:
+    """Learned as above: trajectories stop once the next observation would overflow a 32K
+    window. Forty with 20K of context, below the contexts where any stopped, and forty with
+    2K both go on now; but each turn that comes back adds ~5K, so the first forty reach the
+    window within the horizon and their later turns stop, while the second forty's go on."""
+    fc = {}
+    for ctx in (2000, 20000):
+        tab = LifecycleTable()
+        fill_windows(tab, 400)
+        now = 100.0
+        for i in range(40):
+            tid = f"live{i}"
+            tab.ingest(
+                [Event(EventType.TRAJ_START, tid, now - 2.0), *turn(tid, now - 2.0, ctx, ctx, 100)]
+            )
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+        fc[ctx] = f.forecast(tab, now, H).prefill_tokens_per_s
+    assert fc[20000][0] == pytest.approx(fc[2000][0])  # the turns coming back now
+    assert sum(fc[20000][2:]) < 0.5 * sum(fc[2000][2:])

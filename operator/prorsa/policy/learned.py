@@ -134,10 +134,15 @@ class LearnedStats:
         is to go on (at most 1): per context bin, the turns that went on against those the
         turn-depth model expects of the same turns. Agents stop as their context window
         fills, a limit no turn depth shows (big observations fill it in a few turns)."""
+        out: np.ndarray = self.window_factors()[context_bins(context)]
+        return out
+
+    def window_factors(self) -> np.ndarray:
+        """`window_factor` per context bin (`context_bins`), for reading many contexts."""
         c, s = self.window_continue, self.window_stop
         expected = (c + s) @ self._p_continue_by_turn_bin()
         ratio = (c.sum(axis=1) + WINDOW_PRIOR) / (expected + WINDOW_PRIOR)
-        out: np.ndarray = np.minimum(1.0, ratio)[context_bins(context)]
+        out: np.ndarray = np.minimum(1.0, ratio)
         return out
 
     def mean_tool_output(self) -> float:

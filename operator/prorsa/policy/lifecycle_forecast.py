@@ -15,7 +15,7 @@ from prorsa.policy.forecast import (
     RolloutMode,
     table_facts,
 )
-from prorsa.policy.learned import depth_class, length_class, length_classes
+from prorsa.policy.learned import context_bins, depth_class, length_class, length_classes
 from prorsa.policy.lifecycle import LifecycleTable, Rows
 from prorsa.policy.stats import LogHistogram
 
@@ -78,7 +78,7 @@ class LifecycleForecaster:
       prefill latency, stay for a duration drawn from the same distribution (continued
       memorylessly past the longest that ended) mixed over the live trajectories' groups'
       length classes, go to a tool, come back with their context grown by their output and the
-      tool's.
+      tool's, and go on as likely as contexts grown that much do (near the window, less).
     - Arrivals: none in `sync` mode (the batch is known). In `async` mode the trainer keeps
       a number of trajectories in flight: each one that ends is replaced (at the recent
       ratio of starts to ends, so a trainer that has stopped admitting is followed), and a
@@ -170,7 +170,8 @@ class LifecycleForecaster:
         # continuation by turn depth and by the class of the trajectory's recent answers,
         # lowered near the context window agents stop at
         own_class = length_classes(rows.out_log_est, mu_all if has_len else math.nan)
-        p_after = st.p_continue_after(w_depth, own_class[between]) * st.window_factor(w_ctx)
+        base_after = st.p_continue_after(w_depth, own_class[between])
+        p_after = base_after * st.window_factor(w_ctx)
         p_next = np.where(rows.tool_seen[between], st.p_continue_after_tool, p_after)
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
         hint = rows.tool_hint[between]
@@ -222,11 +223,20 @@ class LifecycleForecaster:
             w_dec = p_cell[gb * nd + d_bin]
         # (its context once this answer is in: the window it may fill)
         after_answer = d_ctx + np.exp(log_len[decoding_now])
-        p_decoding = st.p_continue_after(d_depth, own_class[decoding_now]) * st.window_factor(
-            after_answer
-        )
+        base_decoding = st.p_continue_after(d_depth, own_class[decoding_now])
+        p_decoding = base_decoding * st.window_factor(after_answer)
         pop_n = float(w_dec.sum()) + float(w_depth.size)
         pop_cont = float((p_decoding * w_dec).sum() + p_after.sum())  # after a decode
+        # Later in the horizon the same trajectories come back with more context, nearer the
+        # window agents stop at: the chain's continuation as the contexts grow by `shift`.
+        chain_ctx = np.concatenate((after_answer, w_ctx))
+        chain_w = np.concatenate((base_decoding * w_dec, base_after))
+
+        by_bin = st.window_factors()
+
+        def chain_continue(shift: float) -> float:
+            return float(chain_w @ by_bin[context_bins(chain_ctx + shift)]) / pop_n
+
         chain_out = float((out_by_turn[d_depth] * w_dec).sum() + out_by_turn[w_depth].sum())
         ctx_sum = float((d_ctx * w_dec).sum() + w_ctx.sum())
         surv = hist.survival_table(in_tool.tolist(), now) if hist.total > 0 else None
@@ -346,6 +356,8 @@ class LifecycleForecaster:
                 exits[m:] += e_m * d_exit[: m_bins - m]
             cur_seqs += e_m - float(exits[m])
             seqs_fine[m] = cur_seqs if cur_seqs > 0 else 0.0
+            if pop_n and m and m % sub == 0:  # once a step, as the contexts have grown
+                p_cont = chain_continue(float(ctx_shift[m - 1]))
             back = float(exits[m]) * p_cont
             new = float(exits[m]) * (1.0 - p_cont) * replaced  # async: the ended, replaced
             if pop_live > 1.0:
