@@ -546,43 +546,36 @@ def test_calls_in_flight_return_with_the_latencies_of_the_turn_they_precede() ->
     assert sum(per_step[6:9]) > 0.5 * 40 * 190
 
 
+def _forty_live_at(ctx: int) -> list[float]:
+    """The prefill forecast for forty trajectories that have just answered their first turn
+    with `ctx` tokens of context, in a table that learned agents stop at a 32K window."""
+    tab = LifecycleTable()
+    fill_windows(tab, 400)
+    now = 100.0
+    for i in range(40):
+        tid = f"live{i}"
+        tab.ingest(
+            [Event(EventType.TRAJ_START, tid, now - 2.0), *turn(tid, now - 2.0, ctx, ctx, 100)]
+        )
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    return f.forecast(tab, now, H).prefill_tokens_per_s
+
+
 def test_trajectories_whose_context_window_is_full_are_expected_to_stop() -> None:
     """Learned: trajectories stop when their next observation would overflow a 32K window.
     Forty have just answered their first turn with 31K tokens of context, forty others with
     2K: by turn depth both go on, but the first forty are near their window. Without the
     window both forecast the same returning turns."""
-    total = {}
-    for ctx in (2000, 31000):
-        tab = LifecycleTable()
-        fill_windows(tab, 400)
-        now = 100.0
-        for i in range(40):
-            tid = f"live{i}"
-            tab.ingest(
-                [Event(EventType.TRAJ_START, tid, now - 2.0), *turn(tid, now - 2.0, ctx, ctx, 100)]
-            )
-        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
-        total[ctx] = sum(f.forecast(tab, now, H).prefill_tokens_per_s)
-    assert total[2000] > 0
-    assert total[31000] < 0.75 * total[2000]
+    near, far = sum(_forty_live_at(31000)), sum(_forty_live_at(2000))
+    assert far > 0
+    assert near < 0.75 * far
 
 
 def test_the_chain_stops_as_its_contexts_grow_into_the_window() -> None:
-    """Learned as above: trajectories stop once the next observation would overflow a 32K
-    window. Forty with 20K of context, below the contexts where any stopped, and forty with
-    2K both go on now; but each turn that comes back adds ~5K, so the first forty reach the
-    window within the horizon and their later turns stop, while the second forty's go on."""
-    fc = {}
-    for ctx in (2000, 20000):
-        tab = LifecycleTable()
-        fill_windows(tab, 400)
-        now = 100.0
-        for i in range(40):
-            tid = f"live{i}"
-            tab.ingest(
-                [Event(EventType.TRAJ_START, tid, now - 2.0), *turn(tid, now - 2.0, ctx, ctx, 100)]
-            )
-        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
-        fc[ctx] = f.forecast(tab, now, H).prefill_tokens_per_s
-    assert fc[20000][0] == pytest.approx(fc[2000][0])  # the turns coming back now
-    assert sum(fc[20000][2:]) < 0.5 * sum(fc[2000][2:])
+    """Learned as above. Forty with 20K of context, below the contexts where any stopped, and
+    forty with 2K both go on now; but each turn that comes back adds ~5K, so the first forty
+    reach the window within the horizon and their later turns stop, while the second
+    forty's go on."""
+    near, far = _forty_live_at(20000), _forty_live_at(2000)
+    assert near[0] == pytest.approx(far[0])  # the turns coming back now
+    assert sum(near[2:]) < 0.5 * sum(far[2:])
