@@ -51,7 +51,8 @@ def _p90(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--samples", type=int, default=240)  # sets of 60 differ by 0.2x (README)
+    # sets of 60 differed by 0.2x in the median ratio (docs/forecast-history.md)
+    ap.add_argument("--samples", type=int, default=240)
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--gpus", type=int, default=8)
     # the rollout's own seed (which answer lengths, tool latencies, ... a workload draws):

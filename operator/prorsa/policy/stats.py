@@ -14,7 +14,7 @@ import numpy as np
 
 # The tail index of `LogHistogram.with_heavy_tail`. Chosen on the forecast benchmark's tuning
 # seeds (0-89) against 1 (as long again as it has lasted), which helped prefill as much and
-# decode less; checked on seeds 5000-5119 (README).
+# decode less; checked on seeds 5000-5119 (docs/forecast-history.md).
 HEAVY_TAIL_INDEX = 0.5
 
 
@@ -259,7 +259,8 @@ class RisingShare:
     ratio: float = math.sqrt(2.0)
     bins: int = 48
     # The caches' share of the KV changes as workers switch roles and the load moves between
-    # them; chosen on the forecast benchmark's tuning seeds among 40, 150 and 1000 s (README).
+    # them; chosen on the forecast benchmark's tuning seeds among 40, 150 and 1000 s
+    # (docs/forecast-history.md).
     half_life_s: float = 40.0
     part: np.ndarray = field(init=False)  # faded sums per bin of the share's numerator
     whole: np.ndarray = field(init=False)  # ... and denominator
