@@ -574,8 +574,30 @@ def test_trajectories_whose_context_window_is_full_are_expected_to_stop() -> Non
 def test_the_chain_stops_as_its_contexts_grow_into_the_window() -> None:
     """Learned as above. Forty with 20K of context, below the contexts where any stopped, and
     forty with 2K both go on now; but each turn that comes back adds ~5K, so the first forty
-    reach the window within the horizon and their later turns stop, while the second
-    forty's go on."""
+    reach the window within a step or two and their turns stop, while the second forty's go
+    on until they have grown as much."""
     near, far = _forty_live_at(20000), _forty_live_at(2000)
     assert near[0] == pytest.approx(far[0])  # the turns coming back now
-    assert sum(near[2:]) < 0.5 * sum(far[2:])
+    assert sum(near[1:3]) < 0.5 * sum(far[1:3])
+
+
+def test_answers_shorter_than_a_grid_bin_decode_for_their_length() -> None:
+    """The chain's decodes start anywhere in a 1.25 s bin; one far shorter than the bin is
+    decoding at the bin's end about its length over the bin's. Answers of 0.6 s are then
+    counted far more often than answers of 0.2 s (up to three times), not both half the
+    time."""
+    seqs = {}
+    for out in (20, 60):  # 0.2 s and 0.6 s at 10 ms a token
+        tab = LifecycleTable()
+        _teach(tab, 300, out=out, tool_s=1.0)
+        now = 100.0
+        for i in range(100):  # back from their tools within a second, then decoding
+            tid = f"live{i}"
+            tab.apply(Event(EventType.TRAJ_START, tid, now - 2.0, group=f"lg{i}"))
+            tab.ingest(turn(tid, now - 2.0, 500, 500, out, decode_s=out * 0.01))
+            tab.apply(Event(EventType.TOOL_START, tid, now - 0.1))
+        tab.ingest([])
+        f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+        seqs[out] = sum(f.forecast(tab, now, H).decode_seqs)
+    assert seqs[20] > 0
+    assert seqs[60] > 1.5 * seqs[20]

@@ -316,23 +316,28 @@ class LifecycleForecaster:
             chain_mix = np.bincount(all_gb, minlength=3) / all_gb.size
         else:
             chain_mix = np.array([0.0, 1.0, 0.0])
-        d_exit = (
+        # A decode entering during fine bin m starts anywhere in it, so it is still running
+        # at the end of bin m+k as likely as its survival averaged over bin k (a uniform
+        # start): read off the survival at eighths of a bin. (Half a bin for every decode
+        # counted one far shorter than a bin, a short answer, as running at its bin's end
+        # half the time, where it is so about its length over the bin's.)
+        q = 8
+        done_by = (
             _returns(
                 dhist,
                 dhist.with_tail(dsurv) if dsurv is not None else None,
                 np.zeros(3),
-                f / _GF_REP,
-                m_bins,
+                f / q / _GF_REP,
+                m_bins * q,
                 dt,
                 fallback_mean=max(tpot * math.exp(mu_all), f),
             ).T
             @ chain_mix
-        )
-        # A decode entering during fine bin m starts anywhere in it, so one that lasts k to
-        # k+1 bins is still running at the end of bin m+k half the time: without this half
-        # bin, the sequences are counted at bin ends k times where they last k + 1/2 bins on
-        # average, and decodes shorter than a bin (short answers) never at all.
-        d_exit = 0.5 * (d_exit + np.concatenate(([0.0], d_exit[:-1])))
+        ).cumsum()
+        s_end = 1.0 - done_by  # survival at the end of each eighth
+        s_mid = 0.5 * (s_end + np.concatenate(([1.0], s_end[:-1])))
+        s_bar = s_mid.reshape(m_bins, q).mean(axis=1)
+        d_exit = np.maximum(np.concatenate(([1.0], s_bar[:-1])) - s_bar, 0.0)
         k0 = _returns(hist, surv, np.zeros(1), np.full(1, f), m_bins, dt, tool_mean)[0]
         exits = leave[:m_bins].copy()
         seqs_fine = np.zeros(m_bins)
