@@ -170,8 +170,9 @@ class LifecycleForecaster:
         # continuation by turn depth and by the class of the trajectory's recent answers,
         # lowered near the context window agents stop at
         own_class = length_classes(rows.out_log_est, mu_all if has_len else math.nan)
+        window = st.window_factors()  # per context bin
         base_after = st.p_continue_after(w_depth, own_class[between])
-        p_after = base_after * st.window_factor(w_ctx)
+        p_after = base_after * window[context_bins(w_ctx)]
         p_next = np.where(rows.tool_seen[between], st.p_continue_after_tool, p_after)
         out = np.where(own < 0, out_by_turn[w_depth], 0.5 * (own + out_by_turn[w_depth]))
         hint = rows.tool_hint[between]
@@ -224,7 +225,7 @@ class LifecycleForecaster:
         # (its context once this answer is in: the window it may fill)
         after_answer = d_ctx + np.exp(log_len[decoding_now])
         base_decoding = st.p_continue_after(d_depth, own_class[decoding_now])
-        p_decoding = base_decoding * st.window_factor(after_answer)
+        p_decoding = base_decoding * window[context_bins(after_answer)]
         pop_n = float(w_dec.sum()) + float(w_depth.size)
         pop_cont = float((p_decoding * w_dec).sum() + p_after.sum())  # after a decode
         # Later in the horizon the same trajectories come back with more context, nearer the
@@ -232,10 +233,8 @@ class LifecycleForecaster:
         chain_ctx = np.concatenate((after_answer, w_ctx))
         chain_w = np.concatenate((base_decoding * w_dec, base_after))
 
-        by_bin = st.window_factors()
-
         def chain_continue(shift: float) -> float:
-            return float(chain_w @ by_bin[context_bins(chain_ctx + shift)]) / pop_n
+            return float(chain_w @ window[context_bins(chain_ctx + shift)]) / pop_n
 
         chain_out = float((out_by_turn[d_depth] * w_dec).sum() + out_by_turn[w_depth].sum())
         ctx_sum = float((d_ctx * w_dec).sum() + w_ctx.sum())
