@@ -601,3 +601,33 @@ def test_answers_shorter_than_a_grid_bin_decode_for_their_length() -> None:
         seqs[out] = sum(f.forecast(tab, now, H).decode_seqs)
     assert seqs[20] > 0
     assert seqs[60] > 1.5 * seqs[20]
+
+
+def test_the_chains_new_calls_last_as_long_as_the_calls_agents_make_now() -> None:
+    """Fifty agents made twenty quick calls (50 ms) each in their first seconds, then nine
+    calls of 30 s each over the next four and a half minutes; now each has just begun
+    decoding a one-second answer. Its next call takes 30 s, so within the 60 s horizon each
+    comes back about once. With the quick burst weighing as much as the calls of the last
+    minutes, the chain sent most new calls back at once (nearly five returns each)."""
+    tab = LifecycleTable()
+    now = 300.0
+    for i in range(50):
+        tid, t, ctx = f"a{i}", 0.0, 500
+        tab.apply(Event(EventType.TRAJ_START, tid, t))
+        events: list[Event] = []
+        for k, tool_s in enumerate([0.05] * 20 + [30.0] * 9):
+            decode_s = 0.2 if tool_s < 1.0 else 1.0
+            events += turn(tid, t, ctx, 100 if k else ctx, 10, decode_s=decode_s)
+            t += 0.1 + decode_s
+            events += [
+                Event(EventType.TOOL_START, tid, t),
+                Event(EventType.TOOL_END, tid, t + tool_s),
+            ]
+            t += tool_s
+            ctx += 110
+        events += turn(tid, now - 0.5, ctx, 100, 10)[:2]  # submitted and prefilled: decoding
+        tab.ingest(events)
+    assert tab.count(State.DECODE) == 50
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    returns = sum(f.forecast(tab, now, H).prefill_tokens_per_s) * H.step_s / 100
+    assert 0.8 * 50 < returns < 2.5 * 50

@@ -12,6 +12,14 @@ import numpy as np
 from prorsa.policy.stats import Ewma, LogHistogram, LogMoments, RisingShare
 
 TOOL_OUTPUT_PRIOR = 512.0  # tokens of a tool observation before any was seen
+# Tool-call latencies fade with these half-lives. Agents change tools as a task moves on, and
+# a phase of quick calls makes far more calls than the slower phase after it: remembered for
+# ten minutes, its burst outweighed the calls agents make now, and the forecast's chain sent
+# new calls back far too soon (docs/forecast-history.md). Chosen on the forecast benchmark's
+# tuning seeds among 30, 60, 120 and 600 s (all depths together) and 60, 120 and 600 s (per
+# turn depth, which has fewer calls each).
+TOOL_HALF_LIFE_S = 60.0
+TOOL_BY_DEPTH_HALF_LIFE_S = 120.0
 
 
 @dataclass
@@ -65,8 +73,10 @@ class LearnedStats:
     @classmethod
     def fresh(cls) -> LearnedStats:
         return cls(
-            tool_latency=LogHistogram(),
-            tool_by_depth=[LogHistogram() for _ in range(DEPTH_CLASSES)],
+            tool_latency=LogHistogram(half_life_s=TOOL_HALF_LIFE_S),
+            tool_by_depth=[
+                LogHistogram(half_life_s=TOOL_BY_DEPTH_HALF_LIFE_S) for _ in range(DEPTH_CLASSES)
+            ],
             tool_output_tokens=Ewma(0.05),
             first_prompt_tokens=Ewma(0.05),
             first_prompt_demand=Ewma(0.05),
