@@ -20,6 +20,11 @@ TOOL_OUTPUT_PRIOR = 512.0  # tokens of a tool observation before any was seen
 # turn depth, which has fewer calls each).
 TOOL_HALF_LIFE_S = 60.0
 TOOL_BY_DEPTH_HALF_LIFE_S = 120.0
+# Decode durations fade with this half-life: they stretch with the load the decodes ran under
+# and change with a task's phase. Chosen on the tuning seeds among 60, 90, 120, 180 and 360 s
+# (shorter ones forecast better still but moved the MoE policy's decisions; see
+# docs/forecast-history.md).
+DECODE_HALF_LIFE_S = 120.0
 
 
 @dataclass
@@ -82,7 +87,7 @@ class LearnedStats:
             first_prompt_demand=Ewma(0.05),
             output_len=LogMoments(),
             decode_s=Ewma(0.05),
-            decode_duration=LogHistogram(half_life_s=180.0),
+            decode_duration=LogHistogram(half_life_s=DECODE_HALF_LIFE_S),
             decode_tokens=Ewma(0.05),
             prefill_latency_s=Ewma(0.1),
             remote_share=Ewma(0.02),
