@@ -168,16 +168,47 @@ def test_calibration_learns_the_error_at_each_lead_time() -> None:
     cal = LeadCalibration(steps=2, step_s=5.0, gain_rate=0.5)
     flat = [100.0, 100.0], [10.0, 10.0]
 
-    def step(now: float, submitted: int) -> None:
-        last = cal.observe(now, submitted, 0)
+    def step(now: float, submitted: int, decoding: int = 10) -> None:
+        last = cal.observe(now, submitted, decoding)
         cal.combine(now, *flat, *flat, last)
 
     step(0.0, 0)
     step(5.0, 1000)  # 200 tok/s happened where 100 were forecast
-    assert cal.gain_p == [1.5, 1.0]  # halfway to 2x at lead 0; lead 1 not yet known
-    assert cal.gain_d == [1.0, 1.0]  # nothing decoding: no evidence
-    step(10.0, 1250)  # 50 tok/s in the next step
-    assert cal.gain_p[1] == 0.75  # the first forecast's lead-1 step: half the rate
+    assert cal.gain_p[0] == pytest.approx(2**0.5)  # halfway to 2x (log scale) at lead 0
+    assert cal.gain_p[1] == 1.0  # lead 1 not yet known
+    assert cal.gain_d == [1.0, 1.0]  # 10 decoding, as forecast
+    step(10.0, 1250, decoding=0)  # 50 tok/s in the next step, and nothing decoding
+    assert cal.gain_p[1] == pytest.approx(0.5**0.5)  # the first forecast's lead 1: half the rate
+    assert cal.gain_d[1] == pytest.approx(0.5**0.5)  # none where 10: at most half, per step
+
+
+def _gains_over(cal: LeadCalibration, increments: list[int], cycles: int) -> list[float]:
+    """Lead-0 prefill gains after each step of a forecast of 100 tok/s in every 5 s step,
+    with `increments` tokens submitted in successive steps, repeated `cycles` times."""
+    gains, submitted = [], 0
+    for k, inc in enumerate(increments * cycles):
+        submitted += inc
+        last = cal.observe(5.0 * k, submitted, 0)
+        cal.combine(5.0 * k, [100.0], [10.0], [100.0], [10.0], last)
+        gains.append(cal.gain_p[0])
+    return gains
+
+
+def test_a_forecast_as_often_half_as_twice_the_demand_keeps_its_gain() -> None:
+    """Prefill demand comes in bursts: a forecast of the typical step is half a burst and
+    twice a lull. The gain follows actual over forecast on a log scale, so the two cancel;
+    an average of the ratios (1.25 here) would raise every forecast by a quarter."""
+    gains = _gains_over(LeadCalibration(steps=1, step_s=5.0), [1000, 250], 30)
+    assert 0.95 < sum(gains[-10:]) / 10 < 1.05
+
+
+def test_steps_without_demand_lower_the_gain() -> None:
+    """A sparse stream (nothing, nothing, then a burst: 300 tok/s) averages 100 tok/s; its
+    empty steps are evidence too. Learned from the bursts alone, the gain would double
+    a forecast that already stands at the mean; with them it lowers it toward the typical
+    step, which is what an absolute error rewards."""
+    gains = _gains_over(LeadCalibration(steps=1, step_s=5.0), [0, 0, 1500], 20)
+    assert max(gains[-9:]) < 1.0
 
 
 def test_forecasts_made_before_the_evidence_are_not_learned_from() -> None:

@@ -2,8 +2,8 @@
 
 Once step h of an earlier forecast has happened, the forecaster learns two things about its
 lead-h forecasts:
-- a gain: the running ratio of actual to forecast demand, which removes a systematic error
-  the model misses (an unseen phase change, a cache regime);
+- a gain: the running ratio of actual to forecast demand (a geometric mean), which removes
+  a systematic error the model misses (an unseen phase change, a cache regime);
 - a blend: the convex mix of the model and the persistence forecasts (the last interval, and
   its moving average) whose recent absolute error at that lead was the lowest. A model that
   reasons per trajectory wins where the population is about to change; persistence wins
@@ -32,6 +32,8 @@ _COMBOS = np.array(
 _MODEL_ONLY = int(np.flatnonzero(_COMBOS[:, 0] == 1.0)[0])
 # Weight of the last interval in the smoothed persistence forecast (the `ewma` forecaster's).
 EWMA_ALPHA = 0.3
+# The most a gain learns from one step: actual over forecast is clipped to this range.
+GAIN_CLIP = (0.5, 2.0)
 # Until a lead has this many scored forecasts, the model alone is used at that lead.
 MIN_SCORED = 3
 # A mix must beat the model alone by this share of its error to replace it: persistence is
@@ -100,12 +102,10 @@ class LeadCalibration:
 
     def _score(self, h: int, past: _Past, rate: float, decoding: int) -> None:
         a = self.gain_rate
-        if past.raw_p[h] > 0 and rate > 0:
-            r = min(max(rate / past.raw_p[h], 0.5), 2.0)
-            self.gain_p[h] += a * (r - self.gain_p[h])
-        if past.raw_s[h] > 0 and decoding > 0:
-            r = min(max(decoding / past.raw_s[h], 0.5), 2.0)
-            self.gain_d[h] += a * (r - self.gain_d[h])
+        if past.raw_p[h] > 0:
+            self.gain_p[h] = _toward(self.gain_p[h], rate / past.raw_p[h], a)
+        if past.raw_s[h] > 0:
+            self.gain_d[h] = _toward(self.gain_d[h], decoding / past.raw_s[h], a)
         b = self.blend_rate
         self._err_p[h] += b * (np.abs(_COMBOS @ past.cand_p[h] - rate) - self._err_p[h])
         self._err_s[h] += b * (np.abs(_COMBOS @ past.cand_s[h] - decoding) - self._err_s[h])
@@ -143,3 +143,13 @@ class LeadCalibration:
         keep_model = (self._scored < MIN_SCORED) | (err[rows, best] >= (1 - MARGIN) * model)
         picked: np.ndarray = _COMBOS[np.where(keep_model, _MODEL_ONLY, best)]
         return picked
+
+
+def _toward(gain: float, ratio: float, rate: float) -> float:
+    """The gain moved toward one more ratio of actual to forecast (clipped to [1/2, 2]), on a
+    log scale: the error scored is absolute, and demand per step is bursty, so a forecast of
+    the typical step is as often twice the demand as half of it; averaged as ratios (1 and
+    1/2 against 2) those errors would raise every forecast. A step without demand counts, at
+    the clip's floor."""
+    r = min(max(ratio, GAIN_CLIP[0]), GAIN_CLIP[1])
+    return float(gain * (r / gain) ** rate)
