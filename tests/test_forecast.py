@@ -179,7 +179,7 @@ def test_calibration_learns_the_error_at_each_lead_time() -> None:
     assert cal.gain_d == [1.0, 1.0]  # 10 decoding, as forecast
     step(10.0, 1250, decoding=0)  # 50 tok/s in the next step, and nothing decoding
     assert cal.gain_p[1] == pytest.approx(0.5**0.5)  # the first forecast's lead 1: half the rate
-    assert cal.gain_d[1] == pytest.approx(0.5**0.5)  # none where 10: at most half, per step
+    assert cal.gain_d[1] == pytest.approx(0.5)  # none where 10: counted as a quarter
 
 
 def _gains_over(cal: LeadCalibration, increments: list[int], cycles: int) -> list[float]:
@@ -209,6 +209,14 @@ def test_steps_without_demand_lower_the_gain() -> None:
     step, which is what an absolute error rewards."""
     gains = _gains_over(LeadCalibration(steps=1, step_s=5.0), [0, 0, 1500], 20)
     assert max(gains[-9:]) < 1.0
+
+
+def test_a_forecast_of_demand_that_has_stopped_falls_well_below_half() -> None:
+    """Returns the model still expects that do not come (the agents have stopped): a step
+    without demand counts at a floor of a quarter, so a few of them take the gain below
+    the half that one burst's worth of evidence would allow."""
+    gains = _gains_over(LeadCalibration(steps=1, step_s=5.0), [0], 12)
+    assert gains[-1] < 0.35
 
 
 def test_forecasts_made_before_the_evidence_are_not_learned_from() -> None:
