@@ -213,8 +213,8 @@ def test_steps_without_demand_lower_the_gain() -> None:
 
 def test_a_forecast_of_demand_that_has_stopped_falls_well_below_half() -> None:
     """Returns the model still expects that do not come (the agents have stopped): a step
-    without demand counts at a floor of a quarter, so a few of them take the gain below
-    the half that one burst's worth of evidence would allow."""
+    without demand counts at a floor of a quarter, so a dozen of them take the gain well
+    below a half, where a floor of a half would have held it."""
     gains = _gains_over(LeadCalibration(steps=1, step_s=5.0), [0], 12)
     assert gains[-1] < 0.35
 
