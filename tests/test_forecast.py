@@ -513,8 +513,30 @@ def test_calls_in_flight_past_the_longest_that_ended_come_back_slowly() -> None:
     assert 0.3 * 80 < returned < 0.7 * 80, returned
 
 
+def test_decodes_running_short_of_a_few_long_ones_are_not_all_forecast_to_end() -> None:
+    """Learned: 200 one-turn trajectories decoded for 1-30 s, and three for 60 s. Now 100
+    have decoded for 40 s (a next phase's long answers). Read as they are, the three say that
+    whatever reaches 60 s ends there, and the 100 were forecast gone within 50 s; too few
+    remain at risk to say so, and past the durations read they end on the heavy tail."""
+    tab = LifecycleTable()
+    for i in range(203):
+        tid, d = f"h{i}", (1.0 + 0.145 * i if i < 200 else 60.0)
+        tab.apply(Event(EventType.TRAJ_START, tid, 100.0))
+        tab.ingest(turn(tid, 100.0, 500, 500, 100, decode_s=d))
+        tab.apply(Event(EventType.TRAJ_END, tid, 100.2 + d))
+    now = 200.0
+    for i in range(100):
+        tid = f"live{i}"
+        tab.apply(Event(EventType.TRAJ_START, tid, now - 41.0))
+        tab.ingest(turn(tid, now - 41.0, 500, 500, 100, decode_s=1000.0)[:2])  # decoding
+    f = LifecycleForecaster("sync", calibration=0.0, smoothing=0.0, min_evidence=0)
+    seqs = f.forecast(tab, now, H).decode_seqs
+    assert 40.0 < seqs[-1] < 90.0  # a minute from now some have ended, not all (before: 0)
+
+
 def test_the_chains_returns_are_priced_as_the_trajectories_that_will_return() -> None:
-    """Learned: half the decodes take 1 s and half 1,000 s, tools 2 s, six turns, and a
+    """Learned: half the decodes take 1 s and half 1,000 s (the last of them ended a
+    minute and a half ago, recent enough to be read), tools 2 s, six turns, and a
     returning context is recomputed whole. Now 200 trajectories with 100,000-token contexts
     have decoded for 10 s (the long kind: none ends within the minute) and 20 with
     2,100-token contexts are in a 2 s tool call. The turns the chain plays after their
@@ -532,7 +554,7 @@ def test_the_chains_returns_are_priced_as_the_trajectories_that_will_return() ->
             tab.apply(Event(EventType.TOOL_END, tid, t + d + 2.2))
             t += d + 2.2
         tab.apply(Event(EventType.TRAJ_END, tid, t))
-    now = 7000.0
+    now = 6100.0
     for i in range(200):
         tid = f"long{i}"
         tab.apply(Event(EventType.TRAJ_START, tid, now - 10.2))

@@ -129,15 +129,43 @@ def _half_ended(ended_s: float, running_s: float) -> tuple[LogHistogram, list[fl
     return h, h.survival_table(cens)
 
 
-def test_the_tail_past_the_longest_ended_duration_decays() -> None:
-    """Kaplan-Meier is flat past the longest duration seen to end; with a tail what is still
-    running ends memorylessly, about as long again as the longest that ended."""
-    h, flat = _half_ended(10.0, running_s=40.0)
-    tail = h.with_tail(flat)
-    assert h.survival(15.0, flat) == pytest.approx(0.5) == h.survival(1000.0, flat)
-    assert h.survival(9.0, tail) == h.survival(9.0, flat)  # up to the last ended: the same
-    assert 0.05 < h.survival(25.0, tail) < h.survival(15.0, tail) < 0.5  # then it decays
-    assert h.survival(200.0, tail) < 1e-3
+def _cohort_short_of_a_few_long(long_n: int) -> tuple[LogHistogram, list[float]]:
+    """100 durations of 1-30 s and `long_n` of 60 s ended, all begun at 100 s; 50 more have
+    run 40 s so far (a next phase's long decodes, short of the few long ones that ended)."""
+    h = LogHistogram()
+    for i in range(100):
+        h.add(1.0 + 0.29 * i, now=100.0)
+    for _ in range(long_n):
+        h.add(60.0, now=100.0)
+    cens = [0.0] * h.bins
+    cens[h.index(40.0)] = 50.0
+    return h, h.survival_table(cens, now=100.0)
+
+
+def test_a_handful_of_long_durations_does_not_end_a_cohort_running_short_of_them() -> None:
+    """Three durations ended at 60 s and nothing ran longer: read as they are, every one
+    that reaches 60 s ends there, so the 50 running at 40 s would all be gone by 64 s.
+    Fewer than `MIN_AT_RISK` remain at risk there: the table stays flat and the heavy tail
+    takes over from where it was read. With 30 such durations the table is read to 0."""
+    h, few = _cohort_short_of_a_few_long(3)
+    assert h.survival(90.0, few) == h.survival(45.0, few) > 0.0
+    tail = h.with_heavy_tail(few)
+    running_at_70 = h.survival(70.0, tail) / h.survival(45.0, tail)
+    assert 0.5 < running_at_70 < 0.95  # the heavy tail past where it was read: some end
+    h, many = _cohort_short_of_a_few_long(30)
+    assert h.survival(90.0, many) == 0.0
+
+
+def test_long_durations_that_ended_recently_are_read_however_long() -> None:
+    """The weights date a duration from its start, so 50 durations of 1,000 s that ended
+    just now weigh 0.3% each with a two-minute half-life; counted as of when they reached
+    each duration they are 50 at risk, enough to read: none outlasts their bin (to 1,311 s)."""
+    h = LogHistogram(half_life_s=120.0)
+    for i in range(50):
+        h.add(1000.0, now=1000.0 + 0.1 * i)
+    cens = [0.0] * h.bins
+    table = h.survival_table(cens, now=2005.0)
+    assert h.survival(1400.0, table) == 0.0
 
 
 def test_recency_counts_the_tokens_of_the_contexts_used_since_a_time() -> None:
