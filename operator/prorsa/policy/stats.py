@@ -7,7 +7,6 @@ update, because the controller feeds them thousands of events per decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,6 +117,9 @@ class LogHistogram:
         self._rate = math.log(2.0) / self.half_life_s
         self._t0 = 0.0  # weights are exp(rate * (t - t0)); t0 moves forward to keep them small
         self.n = 0
+        # rate * each bin's lower edge: the log of the factor that counts a duration in the
+        # bin as of when it reached it, not as of its start (`survival_table`)
+        self._reached = [0.0] + [self._rate * self.lo * self.ratio**i for i in range(self.bins - 1)]
 
     def index(self, x: float) -> int:
         if x <= self.lo:
@@ -199,7 +201,7 @@ class LogHistogram:
         # How many remain at risk in bin i, each weighted as of when it reached the bin (the
         # weights above date a duration from its start, so a long one always counts as old):
         # log(at_risk) + rate * (the bin's lower edge).
-        reached = [0.0] + [self._rate * self.lo * self.ratio**i for i in range(self.bins - 1)]
+        reached = self._reached
         ended = sum(math.exp(min(r, 50.0)) * d for r, d in zip(reached, done, strict=True))
         log_enough = math.log(max(min(MIN_AT_RISK, 0.5 * ended), 1e-300))
         out: list[float] = []
@@ -218,18 +220,15 @@ class LogHistogram:
         still running is neither held forever nor dropped. For durations that may have
         changed regime (a task's next phase calls slower tools, gives longer answers), where
         a memoryless tail (as long again) would bring them all back too soon."""
-        return self._continued(table, lambda t: t**-HEAVY_TAIL_INDEX)
-
-    def _continued(self, table: list[float], tail: Callable[[float], float]) -> list[float]:
-        """`table` past the last bin where it fell times `tail(t / that bin's upper edge)`."""
-        last = max(
+        last = max(  # the last bin where the table fell
             (i for i in range(self.bins) if table[i] < (table[i - 1] if i else 1.0)), default=-1
         )
         if not 0 <= last < self.bins - 1 or table[last] <= 0:
             return table
         t_last = self.lo * self.ratio**last  # the upper edge of bin `last`
         return table[: last + 1] + [
-            table[last] * tail(self.lo * self.ratio**i / t_last) for i in range(last + 1, self.bins)
+            table[last] * (self.lo * self.ratio**i / t_last) ** -HEAVY_TAIL_INDEX
+            for i in range(last + 1, self.bins)
         ]
 
     def survival_array(self, t: np.ndarray, table: list[float]) -> np.ndarray:
