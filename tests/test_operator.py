@@ -9,7 +9,9 @@ import contextlib
 import copy
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +117,44 @@ def operator_calls(k8s: KubernetesEmulator) -> set[tuple[str, str, str]]:
     return calls
 
 
+@contextlib.contextmanager
+def serving_emulator() -> Iterator[KubernetesEmulator]:
+    """kmock's API emulator with the resources the operator uses, serving from a thread and an
+    event loop of its own, as an API server is a process of its own: kopf, when it stops,
+    cancels every task of its loop that it did not find at startup, and would take the
+    emulator's connections down with them while a daemon it respawned late still asks."""
+    ready: queue.Queue[KubernetesEmulator | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        try:
+            async with KubernetesEmulator() as k8s, Server(k8s):
+                _register_crd(k8s)
+                ready.put(k8s)
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+        except BaseException as e:
+            ready.put(e)
+            raise
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="kmock", daemon=True)
+    thread.start()
+    k8s = ready.get(timeout=30)
+    if isinstance(k8s, BaseException):
+        raise RuntimeError("the API emulator did not start") from k8s
+    try:
+        yield k8s
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 @contextlib.asynccontextmanager
 async def kmock_api() -> AsyncIterator[KubeApi]:
-    """kmock's API emulator with the resources the operator uses; the handlers get a client
-    of their own, the test another. On the way out: every request the operator made is one
-    the Helm chart's RBAC grants (`prorsa.kube.rbac`), so a new API call cannot go ungranted."""
-    async with KubernetesEmulator() as k8s, Server(k8s):
-        _register_crd(k8s)
+    """The emulator, a client for the handlers and another for the test. On the way out:
+    every request the operator made is one the Helm chart's RBAC grants (`prorsa.kube.rbac`),
+    so a new API call cannot go ungranted."""
+    with serving_emulator() as k8s:
         url = str(k8s.url).rstrip("/")
         _server["url"] = url
         operator_api = KubeApi(url, ssl_context=False)
@@ -132,11 +165,11 @@ async def kmock_api() -> AsyncIterator[KubeApi]:
         finally:
             await api.close()
             await operator_api.close()
-        rules = rbac.operator_rules(clusterwide=True)
-        calls = operator_calls(k8s)
-        assert ("", "pods", "list") in calls  # the requests were seen at all
-        ungranted = {c for c in calls if not rbac.allowed(rules, *c)}
-        assert not ungranted, f"API calls the chart's RBAC does not grant: {sorted(ungranted)}"
+    rules = rbac.operator_rules(clusterwide=True)
+    calls = operator_calls(k8s)
+    assert ("", "pods", "list") in calls  # the requests were seen at all
+    ungranted = {c for c in calls if not rbac.allowed(rules, *c)}
+    assert not ungranted, f"API calls the chart's RBAC does not grant: {sorted(ungranted)}"
 
 
 @contextlib.asynccontextmanager

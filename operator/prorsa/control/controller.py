@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
 
+from prorsa.cancellation import raise_if_cancelled
 from prorsa.control.cluster import Cluster, ClusterUnavailable, WorkerStatus
 from prorsa.control.engine_metrics import EngineEvidence, parse_engine_metrics
 from prorsa.control.metrics import ControllerMetrics
@@ -333,6 +334,7 @@ class Controller:
         recovered = False
         next_decision = 0.0
         while not stop.is_set():
+            raise_if_cancelled()
             try:
                 if not recovered:
                     await self.reader.ensure_group()

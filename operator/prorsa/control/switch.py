@@ -9,11 +9,11 @@ otherwise a request placed just before the mark could be missed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from enum import StrEnum
 
+from prorsa.cancellation import sleep
 from prorsa.control.cluster import Cluster, ClusterUnavailable, WorkerStatus
 from prorsa.policy.allocate import Role
 
@@ -33,7 +33,7 @@ async def _status(cluster: Cluster, name: str, retry_s: float) -> WorkerStatus |
             return next((w for w in await cluster.workers() if w.name == name), None)
         except ClusterUnavailable as e:
             log.warning("switch %s: cannot read the cluster (%s); retrying", name, e)
-            await asyncio.sleep(retry_s)
+            await sleep(retry_s)
 
 
 async def _engine_agrees(cluster: Cluster, w: WorkerStatus) -> bool:
@@ -88,7 +88,7 @@ async def switch(
             )  # fmt: skip
             await cluster.cancel_drain(name)
             return SwitchOutcome.ROLLED_BACK
-        await asyncio.sleep(poll_s)
+        await sleep(poll_s)
         w = await _status(cluster, name, poll_s)
         if w is None:
             return SwitchOutcome.SKIPPED
@@ -97,7 +97,7 @@ async def switch(
         await cluster.set_role(name, target, keep_draining=True)
         noticed = time.monotonic() + restart_notice_s
         while w is not None and w.ready and time.monotonic() < noticed:
-            await asyncio.sleep(poll_s)
+            await sleep(poll_s)
             w = await _status(cluster, name, poll_s)
         if w is None:
             return SwitchOutcome.SKIPPED

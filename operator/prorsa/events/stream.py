@@ -19,6 +19,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from prorsa.cancellation import raise_if_cancelled, sleep
 from prorsa.events.schema import EventError, decode, encode
 from prorsa.policy.events import Event
 
@@ -94,13 +95,14 @@ class EventWriter:
         """Background loop: flush whenever events arrive, back off while Redis is away."""
         backoff = 0.1
         while True:
+            raise_if_cancelled()
             await self._wake.wait()
             self._wake.clear()
             if await self.flush():
                 backoff = 0.1
                 continue
             self._wake.set()
-            await asyncio.sleep(backoff)
+            await sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 
     async def aclose(self, timeout_s: float = 2.0) -> None:

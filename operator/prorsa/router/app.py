@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from prorsa.cancellation import sleep
 from prorsa.events import inflight
 from prorsa.events.keys import ClusterKeys
 from prorsa.events.stream import EventWriter
@@ -159,7 +160,7 @@ class Router:
         failing = False
         known: set[str] = set()
         while True:
-            await asyncio.sleep(c.inflight_interval_s)
+            await sleep(c.inflight_interval_s)
             now = time.time()
             counts: dict[str, tuple[int, int]] = {}
             for w in self.pool.workers.values():
@@ -186,7 +187,7 @@ class Router:
 
     async def _probe_ejected(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await asyncio.sleep(self.config.probe_interval_s)
+            await sleep(self.config.probe_interval_s)
             for w in self.pool.due_for_probe(time.monotonic()):
                 if await probe(session, w):
                     log.info("worker %s answers again: back in rotation", w.name)

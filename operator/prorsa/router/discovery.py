@@ -16,6 +16,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
+from prorsa.cancellation import sleep
 from prorsa.local.registry import Registry
 from prorsa.policy.allocate import Role
 
@@ -87,7 +88,7 @@ class RegistryDiscovery:
                 if not failing:
                     log.warning("worker registry unreachable, keeping the last snapshot: %s", e)
                 failing = True
-                await asyncio.sleep(self.interval_s * 4)
+                await sleep(self.interval_s * 4)
                 continue
             snap = [
                 Endpoint(r.name, r.url, r.role, r.ready, r.draining, r.target_role) for r in records
@@ -95,4 +96,4 @@ class RegistryDiscovery:
             if snap != last:
                 last = snap
                 yield snap
-            await asyncio.sleep(self.interval_s)
+            await sleep(self.interval_s)
