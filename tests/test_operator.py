@@ -27,6 +27,10 @@ from prorsa.kube import labels as L
 from prorsa.kube.api import USER_AGENT, KubeApi
 from prorsa.policy.allocate import Role
 
+# at import, not inside a test: a test importing it while the emulator's thread ran once met
+# CPython 3.11's "AST constructor recursion depth mismatch" in pytest's rewrite of it
+from test_api import _openapi_to_jsonschema
+
 NS = "team"
 _server: dict[str, str] = {}
 
@@ -463,8 +467,6 @@ def _lws_schema() -> dict[str, Any]:
 def assert_valid_group(group: dict[str, Any]) -> None:
     """What the API server would check of a LeaderWorkerSet: its CRD's schema (the upstream
     one, `tests/data`), and each pod template as a Pod of the Kubernetes schema."""
-    from test_api import _openapi_to_jsonschema
-
     jsonschema.validate(group, _openapi_to_jsonschema(_lws_schema()))
     t = group["spec"]["leaderWorkerTemplate"]
     for which in ("leaderTemplate", "workerTemplate"):
